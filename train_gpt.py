@@ -1,0 +1,1476 @@
+"""train_gpt.py: train a GPT-2-small-class model on FineWeb as fast as possible, in one file.
+
+Run it with `./run.sh` (torchrun over every GPU, or plain python on a machine without one).
+The file reads top to bottom the way data flows through a run:
+
+  1. Configuration       every knob, the presets, command-line and environment overrides
+  2. Hardware and ranks  the few places where CPU and GPU must differ; process group set-up
+  3. Collectives         reduce-scatter / all-gather / all-reduce, counted, skipped at world size 1
+  4. Orthogonalization   Newton-Schulz, Polar Express and AOL-preconditioned Newton-Schulz
+  5. Optimizers          Muon and Adam over sharded state, fed by backward hooks
+  6. Model               the GPT (attention masks, FP8 head, value embeddings, U-net skips)
+  7. Data                shard reader, BOS-aligned training batches, validation tokens
+  8. Training            warmup, the timed loop, validation, the run log in records/
+
+`import train_gpt` has no side effects: tests import its pieces; `main()` runs only as a script.
+"""
+
+import dataclasses
+import datetime
+import difflib
+import glob
+import hashlib
+import math
+import os
+import platform
+import resource
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+try:  # Triton is optional: without it the PyTorch orthogonalizer serves everywhere.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only where triton is missing
+    triton = None
+    tl = None
+
+BOS_TOKEN = 50256  # GPT-2's <|endoftext|>; every document in a shard starts with it
+
+
+# -----------------------------------------------------------------------------------------------
+# 1. Configuration
+#
+# One dataclass holds every knob. Its defaults are the 8xH100 speedrun; the `cpu` preset shrinks
+# the model and data so a laptop finishes in minutes. Precedence: preset < environment (upper-case
+# field name, e.g. NUM_ITERATIONS=100) < command line (--num_iterations 100). Every value is
+# checked before any process group, file or tensor is touched, and a bad one ends the program
+# with a single line that names the field.
+
+@dataclass
+class Hyperparameters:
+    preset: str = "speedrun"            # speedrun (default with CUDA) or cpu (default without)
+    run_name: str = "dev"               # logs go to records/<date>_<run_name>/<run_id>.txt
+    log_dir: str = "records"
+    seed: int = 0
+    target_val_loss: float = 3.28       # the track's target, written into the log for records/compare.py
+    # data
+    train_files: str = "data/fineweb10B/fineweb_train_*.bin"
+    val_files: str = "data/fineweb10B/fineweb_val_*.bin"
+    val_tokens: int = 10_485_760        # the first val_tokens tokens of the validation shards
+    train_seq_len: int = 48 * 1024      # tokens per rank per micro-batch
+    val_seq_len: int = 4 * 64 * 1024    # tokens per rank per validation step
+    micro_batches: int = 8              # micro-batches per step over all ranks; world size must divide it
+    # model
+    vocab_size: int = 50304             # 50257 padded to a multiple of 128
+    num_layers: int = 12
+    model_dim: int = 768
+    num_heads: int = 6
+    head_dim: int = 128
+    mlp_ratio: int = 4
+    attention_free_layers: str = "7"    # comma-separated block indices that have only an MLP
+    num_value_embeds: int = 3           # value embeddings added in blocks 0,1,2 and again in the last 3
+    attn_scale: float = 0.12
+    logit_softcap: float = 15.0         # logits = 2*cap*sigmoid(z/(cap/2)) = 30*sigmoid(z/7.5)
+    attn_block_size: int = 128          # FlexAttention block; windows are whole blocks
+    window_pattern: str = "LSSSLSSLSSSL"  # per block: L long window, S short window (= long/2)
+    window_start_tokens: int = 128      # the long window grows linearly from this ...
+    window_end_tokens: int = 1792       # ... to this over training
+    fp8_head: bool = True               # FP8 lm_head where the GPU supports it (off on CPU and pre-Ada GPUs)
+    compile: bool = True
+    # optimization
+    num_iterations: int = 1750
+    cooldown_frac: float = 0.45         # lr constant, then linear decay over this final fraction
+    final_lr_frac: float = 0.1          # lr multiplier reached at the last step
+    adam_lr: float = 0.008
+    adam_beta1: float = 0.8
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-10
+    embed_lr_mult: float = 75.0         # embeddings train at adam_lr * 75
+    head_lr_mult: float = 1.0
+    scalar_lr_mult: float = 5.0
+    muon_lr: float = 0.05
+    muon_momentum_start: float = 0.85
+    muon_momentum_end: float = 0.95
+    muon_momentum_warmup_steps: int = 300
+    muon_bucket_matrices: int = 8       # matrices per gradient reduce-scatter (rounded up to a multiple of world size)
+    ns_method: str = "polar_express"    # aol, polar_express or newton_schulz
+    ns_backend: str = "auto"            # triton on CUDA, torch elsewhere; or force one
+    normuon: bool = False               # NorMuon variance normalization after orthogonalization
+    normuon_beta2: float = 0.95
+    weight_decay: float = 0.0           # Muon weight decay (decoupled, scaled by lr)
+    cautious_wd: bool = False           # decay only entries where update and parameter agree in sign
+    overlap_comms: bool = True          # launch gradient reduce-scatters from backward hooks
+    # loop
+    val_every: int = 125                # validate every N steps (0: only at the end)
+    warmup_steps: int = 10              # untimed compile/kernel warmup steps, then state reset
+    device: str = "auto"                # auto, cuda or cpu
+    threads: int = 0                    # CPU threads per process (0: cores / local processes)
+    dist_timeout_s: int = 900           # a dead rank raises after this long instead of hanging
+
+
+# The cpu preset: a 4-block model at width 128 on short sequences; the 50304-token vocabulary stays
+# (the data is GPT-2 tokens), so the head dominates the cost. Trains in a few minutes on 2 cores.
+PRESETS = {
+    "speedrun": {},
+    "cpu": dict(
+        train_files="data/sample/sample_train_*.bin",
+        val_files="data/sample/sample_val_*.bin",
+        val_tokens=32 * 1024,
+        train_seq_len=1024,
+        val_seq_len=1024,
+        micro_batches=1,
+        num_layers=4,
+        model_dim=128,
+        num_heads=2,
+        head_dim=64,
+        attention_free_layers="",
+        num_value_embeds=2,
+        window_pattern="LSSL",
+        attn_block_size=64,
+        window_start_tokens=128,
+        window_end_tokens=512,
+        fp8_head=False,
+        compile=False,
+        num_iterations=200,
+        val_every=50,
+        warmup_steps=2,
+        embed_lr_mult=75.0,
+        muon_momentum_warmup_steps=50,
+        dist_timeout_s=120,
+    ),
+}
+# Where the speedrun's own data is missing, the cpu preset falls back to the embedded sample.
+FINEWEB_DEFAULTS = (Hyperparameters.train_files, Hyperparameters.val_files)
+
+NS_METHODS = ("aol", "polar_express", "newton_schulz")
+NS_BACKENDS = ("auto", "torch", "triton")
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; the message is one line naming the field."""
+
+
+def _parse_value(name, text, kind):
+    if kind is bool:
+        lowered = text.strip().lower()
+        if lowered in ("1", "true", "yes", "on"):
+            return True
+        if lowered in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"--{name}={text!r}: expected a boolean (true/false/1/0)")
+    try:
+        return kind(text)
+    except ValueError:
+        raise ConfigError(f"--{name}={text!r}: expected {kind.__name__}") from None
+
+
+def parse_config(argv, environ, world_size=1, cuda_available=None):
+    """Build the configuration from the preset, the environment and the command line, then check it."""
+    if cuda_available is None:
+        cuda_available = torch.cuda.is_available()
+    kinds = {f.name: f.type for f in dataclasses.fields(Hyperparameters)}
+
+    cli = {}
+    it = iter(argv)
+    for token in it:
+        if token in ("-h", "--help"):
+            raise SystemExit(config_help())
+        if not token.startswith("--"):
+            raise ConfigError(f"unexpected argument {token!r}: options look like --field value")
+        name, sep, value = token[2:].partition("=")
+        name = name.replace("-", "_")
+        if name not in kinds:
+            close = difflib.get_close_matches(name, kinds, n=1)
+            hint = f" (did you mean --{close[0]}?)" if close else ""
+            raise ConfigError(f"unknown option --{name}{hint}")
+        if not sep:
+            value = next(it, None)
+            if value is None:
+                raise ConfigError(f"--{name}: missing value")
+        cli[name] = value
+
+    preset = cli.get("preset", environ.get("PRESET", "speedrun" if cuda_available else "cpu"))
+    if preset not in PRESETS:
+        raise ConfigError(f"--preset={preset!r}: expected one of {', '.join(PRESETS)}")
+    values = dict(PRESETS[preset], preset=preset)
+    for name, kind in kinds.items():
+        if name in cli:
+            values[name] = _parse_value(name, cli[name], kind)
+        elif name.upper() in environ:
+            values[name] = _parse_value(name, environ[name.upper()], kind)
+    args = Hyperparameters(**values)
+    check_config(args, world_size, cuda_available)
+    return args
+
+
+def config_help():
+    lines = ["usage: train_gpt.py [--field value ...]   (or FIELD=value in the environment)", "fields:"]
+    for f in dataclasses.fields(Hyperparameters):
+        lines.append(f"  --{f.name} ({f.type.__name__}, speedrun default {f.default!r})")
+    lines.append("presets: " + ", ".join(PRESETS))
+    return "\n".join(lines)
+
+
+def _layer_list(text):
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def check_config(args, world_size, cuda_available):
+    """Reject values that cannot work, with one line naming the field and the problem."""
+    def need(ok, message):
+        if not ok:
+            raise ConfigError(message)
+
+    positive = ["val_tokens", "train_seq_len", "val_seq_len", "micro_batches", "vocab_size", "num_layers",
+                "model_dim", "num_heads", "head_dim", "mlp_ratio", "attn_block_size", "num_iterations",
+                "window_start_tokens", "window_end_tokens", "muon_bucket_matrices", "dist_timeout_s"]
+    for name in positive:
+        need(getattr(args, name) > 0, f"--{name}={getattr(args, name)}: must be positive")
+    for name in ["val_every", "warmup_steps", "threads", "num_value_embeds", "muon_momentum_warmup_steps",
+                 "weight_decay", "adam_eps"]:
+        need(getattr(args, name) >= 0, f"--{name}={getattr(args, name)}: must not be negative")
+    for name in ["cooldown_frac", "final_lr_frac", "adam_beta1", "adam_beta2", "muon_momentum_start",
+                 "muon_momentum_end", "normuon_beta2"]:
+        value = getattr(args, name)
+        need(0.0 <= value <= 1.0, f"--{name}={value}: must lie in [0, 1]")
+    for name in ["adam_lr", "muon_lr", "embed_lr_mult", "head_lr_mult", "scalar_lr_mult", "attn_scale",
+                 "logit_softcap"]:
+        need(getattr(args, name) > 0, f"--{name}={getattr(args, name)}: must be positive")
+
+    need(all(c.isalnum() or c in "._-" for c in args.run_name) and args.run_name not in ("", ".", ".."),
+         f"--run_name={args.run_name!r}: use letters, digits, '.', '_' and '-' only")
+    need(world_size >= 1 and args.micro_batches % world_size == 0,
+         f"--micro_batches={args.micro_batches}: world size {world_size} must divide it "
+         f"(launch 1, 2, 4 or 8 processes for the speedrun's 8)")
+    bs = args.attn_block_size
+    for name in ["train_seq_len", "val_seq_len", "window_start_tokens", "window_end_tokens"]:
+        need(getattr(args, name) % bs == 0,
+             f"--{name}={getattr(args, name)}: must be a multiple of attn_block_size={bs}")
+    need(args.window_end_tokens >= args.window_start_tokens,
+         f"--window_end_tokens={args.window_end_tokens}: must be >= window_start_tokens={args.window_start_tokens}")
+    need(args.val_tokens % (world_size * args.val_seq_len) == 0,
+         f"--val_tokens={args.val_tokens}: must be a multiple of world size x val_seq_len "
+         f"= {world_size} x {args.val_seq_len}")
+    need(args.vocab_size > BOS_TOKEN, f"--vocab_size={args.vocab_size}: must exceed the BOS token id {BOS_TOKEN}")
+    need(args.num_heads * args.head_dim == args.model_dim,
+         f"--head_dim={args.head_dim}: num_heads x head_dim must equal model_dim={args.model_dim} "
+         f"(the q,k,v,o weights are one (4, dim, dim) tensor)")
+    need(args.head_dim % 4 == 0, f"--head_dim={args.head_dim}: must be a multiple of 4 (half-truncated rotary)")
+    need(args.model_dim >= 12, f"--model_dim={args.model_dim}: must be at least 12 (the attention gate reads 12 dims)")
+    need(len(args.window_pattern) == args.num_layers and set(args.window_pattern) <= {"L", "S"},
+         f"--window_pattern={args.window_pattern!r}: needs one letter L or S per layer ({args.num_layers})")
+    try:
+        free = _layer_list(args.attention_free_layers)
+    except ValueError:
+        raise ConfigError(f"--attention_free_layers={args.attention_free_layers!r}: "
+                          "expected comma-separated block indices") from None
+    need(all(0 <= i < args.num_layers for i in free),
+         f"--attention_free_layers={args.attention_free_layers!r}: indices must lie in [0, {args.num_layers})")
+    need(2 * args.num_value_embeds <= args.num_layers,
+         f"--num_value_embeds={args.num_value_embeds}: needs at least twice as many layers ({args.num_layers})")
+    need(args.ns_method in NS_METHODS, f"--ns_method={args.ns_method!r}: expected one of {', '.join(NS_METHODS)}")
+    need(args.ns_backend in NS_BACKENDS,
+         f"--ns_backend={args.ns_backend!r}: expected one of {', '.join(NS_BACKENDS)}")
+    need(args.device in ("auto", "cpu", "cuda"), f"--device={args.device!r}: expected auto, cpu or cuda")
+    need(args.device != "cuda" or cuda_available, "--device=cuda: no CUDA device is available")
+    uses_cuda = args.device == "cuda" or (args.device == "auto" and cuda_available)
+    need(args.ns_backend != "triton" or triton is not None, "--ns_backend=triton: triton is not installed")
+    need(args.ns_backend != "triton" or uses_cuda or os.environ.get("TRITON_INTERPRET") == "1",
+         "--ns_backend=triton: needs a CUDA device (or TRITON_INTERPRET=1 for tests)")
+
+
+# -----------------------------------------------------------------------------------------------
+# 2. Hardware and ranks
+#
+# CPU and GPU run the same code except in the few places collected here: the compute dtype,
+# the attention kernel, the FP8 head, the orthogonalization backend, the process-group backend
+# and how peak memory is measured. Ranks come from torchrun's environment; without torchrun the
+# script is a single process and creates no process group.
+
+@dataclass
+class Hardware:
+    device: torch.device
+    compute_dtype: torch.dtype          # bf16 activations on GPU; fp32 on CPU, where bf16 is slow
+    attention: str                      # "flex" (FlexAttention) or "sdpa" (dense mask; FlexAttention has no CPU backward)
+    fp8_head: bool
+    ns_backend: str
+    dist_backend: str
+
+    @staticmethod
+    def detect(args):
+        use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+        if use_cuda:
+            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+            device = torch.device("cuda", local_rank)
+            fp8_ok = torch.cuda.get_device_capability(device) >= (8, 9)  # Ada/Hopper and newer
+            return Hardware(device, torch.bfloat16, "flex", args.fp8_head and fp8_ok,
+                            "triton" if args.ns_backend == "auto" and triton is not None else
+                            ("torch" if args.ns_backend == "auto" else args.ns_backend), "nccl")
+        backend = "torch" if args.ns_backend == "auto" else args.ns_backend
+        return Hardware(torch.device("cpu"), torch.float32, "sdpa", False, backend, "gloo")
+
+
+@dataclass
+class Ranks:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+
+    @property
+    def is_master(self):
+        return self.rank == 0
+
+    @staticmethod
+    def from_env(environ):
+        return Ranks(int(environ.get("RANK", 0)), int(environ.get("LOCAL_RANK", 0)),
+                     int(environ.get("WORLD_SIZE", 1)), int(environ.get("LOCAL_WORLD_SIZE", 1)))
+
+
+def init_process_group(args, ranks, hw):
+    """Join the process group (only when there is more than one rank) with a timeout, so a dead
+    rank raises instead of hanging, then check that every rank runs the same code and config."""
+    if hw.device.type == "cuda":
+        torch.cuda.set_device(hw.device)
+    if ranks.world_size == 1:
+        return
+    timeout = datetime.timedelta(seconds=args.dist_timeout_s)
+    kwargs = dict(device_id=hw.device) if hw.device.type == "cuda" else {}
+    dist.init_process_group(hw.dist_backend, rank=ranks.rank, world_size=ranks.world_size, timeout=timeout, **kwargs)
+    check_ranks_agree(args, ranks, hw)
+
+
+def run_fingerprint(args):
+    """A hash of this file's source and the configuration: ranks that disagree would deadlock later."""
+    digest = hashlib.sha256(open(__file__, "rb").read())
+    digest.update(repr(sorted(dataclasses.asdict(args).items())).encode())
+    return int.from_bytes(digest.digest()[:7], "little")  # fits in int64
+
+
+def check_ranks_agree(args, ranks, hw):
+    mine = torch.tensor([run_fingerprint(args)], dtype=torch.int64, device=hw.device)
+    everyone = torch.empty(ranks.world_size, dtype=torch.int64, device=hw.device)
+    dist.all_gather_into_tensor(everyone, mine)
+    fingerprints = everyone.tolist()
+    if len(set(fingerprints)) > 1:
+        odd = [r for r, f in enumerate(fingerprints) if f != fingerprints[0]]
+        raise RuntimeError(f"ranks {odd} run different code or configuration than rank 0 "
+                           f"(fingerprints {fingerprints}); launch every rank with the same train_gpt.py and options")
+
+
+# -----------------------------------------------------------------------------------------------
+# 3. Collectives
+#
+# All gradient and parameter traffic goes through this object: averaging reduce-scatters of
+# gradients, all-gathers of updated parameters, and one all-reduce for the small parameters.
+# It counts the bytes each rank sends (ring algorithm: (W-1)/W of the payload per reduce-scatter
+# or all-gather, twice that per all-reduce) so tests and benchmarks can compare the traffic with
+# the lower bound, and it is never called at world size 1.
+
+class Collectives:
+    def __init__(self, world_size):
+        self.world_size = world_size
+        self.sent_bytes = 0
+        self.calls = 0
+
+    def _count(self, payload_bytes, rounds):
+        self.calls += 1
+        self.sent_bytes += rounds * payload_bytes * (self.world_size - 1) // self.world_size
+
+    def reduce_scatter(self, out, inp):
+        """out (n/W, ...) <- the average over ranks of this rank's slice of inp (n, ...). Async."""
+        self._count(inp.numel() * inp.element_size(), 1)
+        return dist.reduce_scatter_tensor(out, inp, op=dist.ReduceOp.AVG, async_op=True)
+
+    def all_gather(self, out, inp):
+        """out (W*n, ...) <- every rank's inp (n, ...), in rank order. Async."""
+        self._count(out.numel() * out.element_size(), 1)
+        return dist.all_gather_into_tensor(out, inp, async_op=True)
+
+    def all_reduce_mean(self, tensor):
+        self._count(tensor.numel() * tensor.element_size(), 2)
+        return dist.all_reduce(tensor, op=dist.ReduceOp.AVG, async_op=True)
+
+
+# -----------------------------------------------------------------------------------------------
+# 4. Orthogonalization
+#
+# Muon replaces each update matrix G by an approximation of its polar factor U V^T (G = U S V^T),
+# computed with odd matrix polynomials X <- aX + b(XX^T)X + c(XX^T)^2 X on the wide orientation.
+# One entry point, orthogonalize(), takes a stack (B, m, n) of same-shape matrices.
+
+# Classic Muon: one quintic, repeated, after Frobenius normalization.
+NEWTON_SCHULZ_COEFFS = [(3.4445, -4.7750, 2.0315)] * 5
+# Polar Express: a greedy minimax composition of odd quintics for singular values in [1e-3, 1].
+POLAR_EXPRESS_COEFFS = [
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+]
+
+
+def orthogonalize(G, method="polar_express", backend="torch"):
+    """Approximate polar factor of each matrix in G (shape (..., m, n)), computed in G's dtype."""
+    if method not in NS_METHODS:
+        raise ValueError(f"unknown orthogonalization method {method!r}; expected one of {NS_METHODS}")
+    tall = G.size(-2) > G.size(-1)
+    X = G.mT if tall else G
+    if method == "newton_schulz":
+        X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)
+        coeffs = NEWTON_SCHULZ_COEFFS
+    else:
+        X = X / (X.norm(dim=(-2, -1), keepdim=True) * 1.02 + 1e-6)
+        coeffs = POLAR_EXPRESS_COEFFS
+    for a, b, c in coeffs:
+        A = X @ X.mT
+        B = b * A + c * (A @ A)
+        X = a * X + B @ X
+    return X.mT if tall else X
+
+
+# -----------------------------------------------------------------------------------------------
+# 5. Optimizers
+#
+# Muon trains the block matrices; Adam trains embeddings, the head and the scalars. There is no
+# DDP wrapper: on the last micro-step of gradient accumulation, backward hooks launch each
+# communication unit as soon as all of its gradients are final, in a fixed order that is the same
+# on every rank. A unit is one of
+#   - a Muon bucket: same-shape matrices (tall ones transposed to wide) whose gradients are
+#     stacked and reduce-scattered, so each rank receives whole matrices, orthogonalizes only
+#     those and all-gathers the updated matrices back (zero padding fills the stack to a
+#     multiple of the world size);
+#   - a large Adam parameter: reduce-scattered along dim 0, moments kept for the local rows only,
+#     updated rows all-gathered (rows padded to a multiple of the world size);
+#   - the small parameters: one coalesced all-reduce, updated identically everywhere.
+# Optimizer state per rank is thus about 1/world_size of the total.
+
+@dataclass
+class ParamSpec:
+    name: str
+    param: nn.Parameter
+    optimizer: str        # "muon" or "adam"
+    group: str            # matrix, embed, head or scalar
+    lr_mult: float = 1.0
+
+
+@dataclass
+class MatrixSlot:
+    """One matrix inside a parameter, as Muon sees it: wide orientation (rows <= cols)."""
+    spec: ParamSpec
+    index: int | None     # which matrix of a stacked (k, rows, cols) parameter; None for 2-D
+    transposed: bool
+
+    def view(self, tensor):
+        t = tensor if self.index is None else tensor[self.index]
+        return t.mT if self.transposed else t
+
+    @property
+    def lr_scale(self):
+        rows, cols = self.spec.param.shape[-2:]
+        return max(1.0, rows / cols) ** 0.5 * self.spec.lr_mult
+
+
+class CommUnit:
+    """Parameters whose gradients travel together; launched once all of them are final."""
+
+    def __init__(self, params):
+        self.params = list(dict.fromkeys(params))
+        self.pending = set()
+        self.works = []
+
+    def arm(self):
+        self.pending = {id(p) for p in self.params}
+        self.works = []
+
+    def mark_ready(self, param):
+        self.pending.discard(id(param))
+        return not self.pending
+
+    def wait(self):
+        for work in self.works:
+            work.wait()
+        self.works = []
+
+
+class MuonBucket(CommUnit):
+    def __init__(self, slots, world_size, device):
+        super().__init__([s.spec.param for s in slots])
+        self.slots = slots
+        self.per_rank = -(-len(slots) // world_size)
+        rows, cols = slots[0].view(slots[0].spec.param).shape
+        padded = self.per_rank * world_size
+        self.grad_stack = torch.zeros(padded, rows, cols, device=device)
+        self.param_stack = torch.zeros(padded, rows, cols, device=device) if world_size > 1 else None
+
+
+class AdamShard(CommUnit):
+    """A large Adam parameter whose rows are split over ranks."""
+
+    def __init__(self, spec, world_size, device):
+        super().__init__([spec.param])
+        self.spec = spec
+        rows = spec.param.shape[0]
+        self.rows_per_rank = -(-rows // world_size)
+        self.padded_rows = self.rows_per_rank * world_size
+        padded_shape = (self.padded_rows, *spec.param.shape[1:])
+        pad = self.padded_rows != rows
+        self.grad_buffer = torch.zeros(padded_shape, device=device) if pad and world_size > 1 else None
+        self.param_buffer = torch.zeros(padded_shape, device=device) if pad and world_size > 1 else None
+
+
+class SmallParams(CommUnit):
+    def __init__(self, specs):
+        super().__init__([s.param for s in specs])
+        self.specs = specs
+        self.flat = None
+
+
+class ShardedMuonAdam:
+    """Muon for matrices and Adam for the rest, with sharded state and overlapped communication.
+
+    Usage per step: arm_for_final_backward() before the last micro-step's backward, then step(),
+    then zero_grad(). With world size 1 no collective is ever called.
+    """
+
+    def __init__(self, specs, args, ranks, hw, collectives=None):
+        self.args = args
+        self.world_size = ranks.world_size
+        self.rank = ranks.rank
+        self.hw = hw
+        self.comm = collectives or Collectives(ranks.world_size)
+        self.specs = specs
+        self.lr_factor = 1.0
+        self.muon_momentum = args.muon_momentum_start
+        self.adam_steps = 0
+        device = hw.device
+        W = self.world_size
+
+        # Units in the order their gradients become final in backward: the head first, then
+        # blocks from the last to the first, the embeddings and scalars last. Fixed, so every
+        # rank issues the same collectives in the same order.
+        order = {id(s.param): i for i, s in enumerate(specs)}
+        muon_specs = [s for s in specs if s.optimizer == "muon"]
+        slots = []
+        for s in reversed(muon_specs):
+            p = s.param
+            tall = p.size(-2) > p.size(-1)
+            indices = [None] if p.ndim == 2 else list(range(p.shape[0]))
+            slots += [MatrixSlot(s, i, tall) for i in indices]
+        by_shape = {}
+        for slot in slots:
+            by_shape.setdefault(tuple(slot.view(slot.spec.param).shape), []).append(slot)
+        bucket_size = W * -(-args.muon_bucket_matrices // W)
+        self.muon_groups = []   # per shape: the buckets and the state of this rank's matrices
+        units = []
+        for shape, shape_slots in by_shape.items():
+            buckets = [MuonBucket(shape_slots[i:i + bucket_size], W, device)
+                       for i in range(0, len(shape_slots), bucket_size)]
+            owned = sum(b.per_rank for b in buckets)
+            group = dict(shape=shape, buckets=buckets,
+                         momentum=torch.zeros(owned, *shape, device=device),
+                         second_moment=torch.zeros(owned, 1, shape[1], device=device) if args.normuon else None)
+            self.muon_groups.append(group)
+            units += buckets
+
+        adam_specs = [s for s in specs if s.optimizer == "adam"]
+        big = [s for s in adam_specs if s.param.ndim >= 2 and s.param.numel() >= 65536]
+        small = [s for s in adam_specs if s not in big]
+        self.adam_shards = [AdamShard(s, W, device) for s in big]
+        for shard in self.adam_shards:
+            local_shape = (shard.rows_per_rank, *shard.spec.param.shape[1:]) if W > 1 else shard.spec.param.shape
+            shard.exp_avg = torch.zeros(local_shape, device=device)
+            shard.exp_avg_sq = torch.zeros(local_shape, device=device)
+        self.small = SmallParams(small)
+        self.state_small = {id(s.param): (torch.zeros_like(s.param), torch.zeros_like(s.param)) for s in small}
+        units += self.adam_shards
+        if small:
+            units.append(self.small)
+        earliest_use = lambda unit: min(order[id(p)] for p in unit.params)
+        self.units = sorted(units, key=earliest_use, reverse=True)
+
+        self._armed = False
+        self._next_unit = 0
+        self._units_of = {}
+        for unit in self.units:
+            for p in unit.params:
+                self._units_of.setdefault(id(p), []).append(unit)
+        self._hooks = []
+        if args.overlap_comms:
+            for s in specs:
+                self._hooks.append(s.param.register_post_accumulate_grad_hook(self._on_grad_final))
+
+    # -- state ------------------------------------------------------------------------------------
+    def state_tensors(self):
+        for group in self.muon_groups:
+            yield group["momentum"]
+            if group["second_moment"] is not None:
+                yield group["second_moment"]
+        for shard in self.adam_shards:
+            yield shard.exp_avg
+            yield shard.exp_avg_sq
+        for m, v in self.state_small.values():
+            yield m
+            yield v
+
+    def state_bytes(self):
+        return sum(t.numel() * t.element_size() for t in self.state_tensors())
+
+    def reset_state(self):
+        for t in self.state_tensors():
+            t.zero_()
+        self.adam_steps = 0
+
+    # -- communication ------------------------------------------------------------------------------
+    def arm_for_final_backward(self):
+        """Call before the backward of the last micro-step: its gradients are final."""
+        for unit in self.units:
+            unit.arm()
+        self._armed = True
+        self._next_unit = 0
+
+    def _on_grad_final(self, param):
+        if not self._armed:
+            return
+        for unit in self._units_of.get(id(param), ()):
+            unit.mark_ready(param)
+        self._launch_ready_units()
+
+    def _launch_ready_units(self, force=False):
+        while self._next_unit < len(self.units):
+            unit = self.units[self._next_unit]
+            if unit.pending and not force:
+                return
+            self._launch(unit)
+            self._next_unit += 1
+
+    def _launch(self, unit):
+        if self.world_size == 1:
+            return
+        if isinstance(unit, MuonBucket):
+            for i, slot in enumerate(unit.slots):
+                unit.grad_stack[i].copy_(slot.view(slot.spec.param.grad))
+            group = next(g for g in self.muon_groups if unit in g["buckets"])
+            unit.works.append(self.comm.reduce_scatter(self._local_grads(group, unit), unit.grad_stack))
+        elif isinstance(unit, AdamShard):
+            grad = unit.spec.param.grad
+            if unit.grad_buffer is not None:
+                unit.grad_buffer[:grad.shape[0]].copy_(grad)
+                grad = unit.grad_buffer
+            unit.local_grad = torch.empty_like(unit.exp_avg)
+            unit.works.append(self.comm.reduce_scatter(unit.local_grad, grad))
+        else:
+            unit.flat = torch.cat([s.param.grad.flatten() for s in unit.specs])
+            unit.works.append(self.comm.all_reduce_mean(unit.flat))
+
+    def _local_grads(self, group, bucket):
+        """This rank's slice of the group's reduced gradients that belongs to `bucket`."""
+        if "local_grad" not in group:
+            owned = sum(b.per_rank for b in group["buckets"])
+            group["local_grad"] = torch.empty(owned, *group["shape"], device=self.hw.device)
+        start = 0
+        for b in group["buckets"]:
+            if b is bucket:
+                return group["local_grad"][start:start + b.per_rank]
+            start += b.per_rank
+        raise KeyError("bucket not in group")
+
+    # -- the update ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self):
+        if not self._armed:  # overlap off, or no hooks fired: launch everything now, in order
+            self.arm_for_final_backward()
+        self._launch_ready_units(force=True)
+        self._armed = False
+        gathers = []
+        for group in self.muon_groups:
+            gathers += self._muon_update(group)
+        self.adam_steps += 1
+        for shard in self.adam_shards:
+            gathers += self._adam_shard_update(shard)
+        self._small_update()
+        for finish in gathers:
+            finish()
+
+    def _muon_update(self, group):
+        args, W = self.args, self.world_size
+        buckets = group["buckets"]
+        if W == 1:
+            for b in buckets:
+                for i, slot in enumerate(b.slots):
+                    b.grad_stack[i].copy_(slot.view(slot.spec.param.grad))
+            grads = torch.cat([b.grad_stack for b in buckets]) if len(buckets) > 1 else buckets[0].grad_stack
+        else:
+            for b in buckets:
+                b.wait()
+            grads = group["local_grad"]
+        mine = self._owned_slots(group)
+        momentum = group["momentum"]
+        mu = self.muon_momentum
+        momentum.lerp_(grads, 1 - mu)
+        update = grads.lerp_(momentum, mu)  # Nesterov
+        update = orthogonalize(update.to(self.hw.compute_dtype), args.ns_method, self.hw.ns_backend).float()
+        if group["second_moment"] is not None:
+            update = normuon_normalize(update, group["second_moment"], args.normuon_beta2)
+        params = torch.stack([slot.view(slot.spec.param) if slot else torch.zeros(group["shape"], device=update.device)
+                              for slot in mine])
+        lr_scale = torch.tensor([slot.lr_scale if slot else 0.0 for slot in mine], device=update.device)
+        lr = args.muon_lr * self.lr_factor
+        new_params = muon_apply(params, update, lr * lr_scale[:, None, None], lr * args.weight_decay, args.cautious_wd)
+        if W == 1:
+            for slot, value in zip(mine, new_params):
+                slot.view(slot.spec.param).copy_(value)
+            return []
+        finishes = []
+        start = 0
+        for b in buckets:
+            local = new_params[start:start + b.per_rank]
+            start += b.per_rank
+            work = self.comm.all_gather(b.param_stack, local.contiguous())
+
+            def finish(b=b, work=work):
+                work.wait()
+                for i, slot in enumerate(b.slots):
+                    slot.view(slot.spec.param).copy_(b.param_stack[i])
+            finishes.append(finish)
+        return finishes
+
+    def _owned_slots(self, group):
+        """The slots this rank updates, in local order (None for zero padding)."""
+        if self.world_size == 1:
+            return [slot for b in group["buckets"] for slot in b.slots]
+        mine = []
+        for b in group["buckets"]:
+            for i in range(self.rank * b.per_rank, (self.rank + 1) * b.per_rank):
+                mine.append(b.slots[i] if i < len(b.slots) else None)
+        return mine
+
+    def _adam_hparams(self, spec):
+        return (self.args.adam_lr * spec.lr_mult * self.lr_factor, self.args.adam_beta1, self.args.adam_beta2,
+                self.args.adam_eps, self.adam_steps)
+
+    def _adam_shard_update(self, shard):
+        p = shard.spec.param
+        if self.world_size == 1:
+            adam_apply(p, p.grad, shard.exp_avg, shard.exp_avg_sq, *self._adam_hparams(shard.spec))
+            return []
+        shard.wait()
+        rows = shard.rows_per_rank
+        start = self.rank * rows
+        full = shard.param_buffer if shard.param_buffer is not None else p
+        if shard.param_buffer is not None:
+            shard.param_buffer[:p.shape[0]].copy_(p)
+        local = full[start:start + rows].clone()
+        adam_apply(local, shard.local_grad, shard.exp_avg, shard.exp_avg_sq, *self._adam_hparams(shard.spec))
+        work = self.comm.all_gather(full, local)
+
+        def finish():
+            work.wait()
+            if shard.param_buffer is not None:
+                p.copy_(shard.param_buffer[:p.shape[0]])
+        return [finish]
+
+    def _small_update(self):
+        specs = self.small.specs
+        if not specs:
+            return
+        if self.world_size > 1:
+            self.small.wait()
+            grads = self.small.flat.split([s.param.numel() for s in specs])
+        else:
+            grads = [s.param.grad for s in specs]
+        for s, g in zip(specs, grads):
+            m, v = self.state_small[id(s.param)]
+            adam_apply(s.param, g.view_as(s.param), m, v, *self._adam_hparams(s))
+
+    def zero_grad(self):
+        for s in self.specs:
+            s.param.grad = None
+
+
+def muon_apply(params, update, lr, decay, cautious):
+    """New parameter values: p - lr*update, with decoupled weight decay (optionally cautious:
+    only where update and parameter have the same sign, i.e. where the step already shrinks p)."""
+    if decay:
+        mask = (update * params >= 0).to(params.dtype) if cautious else 1.0
+        params = params - decay * params * mask
+    return params - lr * update
+
+
+def normuon_normalize(update, second_moment, beta2, eps=1e-10):
+    """NorMuon: divide each column of the (wide) orthogonalized update by the root of an EMA of its
+    mean square over rows, then rescale so the Frobenius norm is unchanged."""
+    mean_sq = update.square().mean(dim=-2, keepdim=True)
+    second_moment.lerp_(mean_sq, 1 - beta2)
+    normalized = update * (second_moment + eps).rsqrt()
+    scale = update.norm(dim=(-2, -1), keepdim=True) / normalized.norm(dim=(-2, -1), keepdim=True).clamp_min(eps)
+    return normalized * scale
+
+
+def adam_apply(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, step):
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.lerp_(grad.square(), 1 - beta2)
+    bias1 = 1 - beta1 ** step
+    bias2 = 1 - beta2 ** step
+    denom = (exp_avg_sq / bias2).sqrt_().add_(eps)
+    param.addcdiv_(exp_avg, denom, value=-lr / bias1)
+
+
+def lr_factor_at(step, args):
+    """Constant, then a linear cooldown over the last cooldown_frac of training to final_lr_frac."""
+    progress = step / args.num_iterations
+    if progress < 1 - args.cooldown_frac:
+        return 1.0
+    w = (1 - progress) / args.cooldown_frac
+    return w + (1 - w) * args.final_lr_frac
+
+
+def muon_momentum_at(step, args):
+    frac = min(step / args.muon_momentum_warmup_steps, 1.0) if args.muon_momentum_warmup_steps else 1.0
+    return (1 - frac) * args.muon_momentum_start + frac * args.muon_momentum_end
+
+
+# -----------------------------------------------------------------------------------------------
+# 6. Model
+#
+# Each block: x = a*x + b*x0 (x0 the normed embedding), then attention (except attention-free
+# blocks) and a ReLU^2 MLP, each on an RMS-normed input. The first half of the blocks push their
+# outputs; the second half pop them in reverse order and add them with learned weights (U-net).
+# Attention: merged q,k,v,o weights, QK-norm, rotary on half the head dims, value embeddings in
+# the first and last blocks, a sigmoid gate per head, document-causal sliding-window masks.
+
+def rms_norm(x):
+    return F.rms_norm(x, (x.size(-1),))
+
+
+class Rotary(nn.Module):
+    """Rotary embedding on half of each head: head_dim/4 frequencies, the other quarter zero."""
+
+    def __init__(self, head_dim, max_seq_len):
+        super().__init__()
+        quarter = head_dim // 4
+        freqs = (1 / 1024) ** torch.linspace(0, 1, quarter, dtype=torch.float32)
+        freqs = torch.cat([freqs, freqs.new_zeros(quarter)])
+        theta = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), freqs)
+        self.register_buffer("cos", theta.cos(), persistent=False)
+        self.register_buffer("sin", theta.sin(), persistent=False)
+
+    def forward(self, x):  # x: (B, T, H, head_dim)
+        T = x.size(-3)
+        cos, sin = self.cos[None, :T, None, :], self.sin[None, :T, None, :]
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1).type_as(x)
+
+
+# --- attention masks: one rule, two materializations ------------------------------------------
+# Query q may attend key k when k <= q, both lie in the same document (a document starts at each
+# BOS token) and k's block lies within the last `window_blocks` blocks up to q's block.
+
+def document_ids(tokens):
+    return (tokens == BOS_TOKEN).cumsum(0)
+
+
+def dense_attention_mask(tokens, window_blocks, block_size):
+    """The mask as a (T, T) boolean matrix for scaled_dot_product_attention (CPU path)."""
+    docs = document_ids(tokens)
+    pos = torch.arange(tokens.numel(), device=tokens.device)
+    q, k = pos[:, None], pos[None, :]
+    return (k <= q) & (docs[:, None] == docs[None, :]) & (q // block_size - k // block_size < window_blocks)
+
+
+def flex_block_mask(tokens, window_blocks, block_size):
+    """The same mask as a FlexAttention BlockMask, built at block level: blocks fully inside the
+    mask skip the element-wise check, partially masked blocks apply it, the rest are skipped."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    docs = document_ids(tokens)
+    n = tokens.numel() // block_size
+    blocks = torch.arange(n, device=tokens.device)
+    first, last = docs.view(n, block_size)[:, 0], docs.view(n, block_size)[:, -1]
+    q, k = blocks[:, None], blocks[None, :]
+    in_window = (q - k < window_blocks) & (k <= q)
+    share_doc = (first[:, None] <= last[None, :]) & (first[None, :] <= last[:, None])
+    one_doc = (first[:, None] == last[:, None]) & (first[None, :] == last[None, :]) & (first[:, None] == first[None, :])
+    any_allowed = in_window & share_doc
+    full = any_allowed & one_doc & (k < q)
+    partial = any_allowed & ~full
+
+    def mask_mod(b, h, q_idx, kv_idx):  # the whole rule, so it also holds where blocks are not skipped
+        return ((q_idx >= kv_idx) & (docs[q_idx] == docs[kv_idx])
+                & (q_idx // block_size - kv_idx // block_size < window_blocks))
+
+    def ordered(mask):
+        counts = mask.sum(dim=-1, dtype=torch.int32)
+        indices = mask.to(torch.int8).argsort(dim=-1, descending=True, stable=True).to(torch.int32)
+        return counts[None, None].contiguous(), indices[None, None].contiguous()
+
+    return BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=block_size, mask_mod=mask_mod)
+
+
+def attention_masks(tokens, long_blocks, args, hw):
+    """Masks for the long and short windows (short = half the long window, at least one block)."""
+    short_blocks = torch.clamp(long_blocks // 2, min=1)
+    build = flex_block_mask if hw.attention == "flex" else dense_attention_mask
+    return {"L": build(tokens, long_blocks, args.attn_block_size), "S": build(tokens, short_blocks, args.attn_block_size)}
+
+
+def attend(q, k, v, mask, scale):
+    """q, k, v: (B, T, H, D) -> (B, T, H, D) with the given mask (BlockMask or dense bool)."""
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    if isinstance(mask, torch.Tensor):
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    else:
+        from torch.nn.attention.flex_attention import flex_attention
+        y = flex_attention(q, k, v, block_mask=mask, scale=scale)
+    return y.transpose(1, 2)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, dim, num_heads, head_dim, max_seq_len, scale, has_value_embed):
+        super().__init__()
+        self.num_heads, self.head_dim, self.scale = num_heads, head_dim, scale
+        bound = 3 ** 0.5 * 0.5 * dim ** -0.5  # uniform with std 0.5/sqrt(dim)
+        qkvo = torch.empty(4, num_heads * head_dim, dim).uniform_(-bound, bound)
+        qkvo[3].zero_()  # output projection starts at zero: each block starts as the identity
+        self.qkvo_w = nn.Parameter(qkvo)
+        self.gate_w = nn.Parameter(torch.zeros(num_heads, 12))  # sigmoid(0) = 0.5 on every head
+        self.value_mix = nn.Parameter(torch.tensor([0.5, 0.5])) if has_value_embed else None
+        self.rotary = Rotary(head_dim, max_seq_len)
+
+    def forward(self, x, value_embed, mask):
+        B, T, _ = x.shape
+        w = self.qkvo_w.to(x.dtype)
+        q, k, v = F.linear(x, w[:3].flatten(0, 1)).view(B, T, 3, self.num_heads, self.head_dim).unbind(2)
+        q, k = self.rotary(rms_norm(q)), self.rotary(rms_norm(k))
+        if value_embed is not None:
+            mix = self.value_mix.to(x.dtype)
+            v = mix[0] * v + mix[1] * value_embed.view_as(v)
+        y = attend(q, k, v, mask, self.scale)
+        y = y * torch.sigmoid(F.linear(x[..., :12], self.gate_w.to(x.dtype))).unsqueeze(-1)
+        return F.linear(y.reshape(B, T, -1), w[3])
+
+
+class MLP(nn.Module):
+    def __init__(self, dim, hidden):
+        super().__init__()
+        bound = 3 ** 0.5 * 0.5 * dim ** -0.5
+        self.fc_w = nn.Parameter(torch.empty(hidden, dim).uniform_(-bound, bound))
+        self.proj_w = nn.Parameter(torch.zeros(dim, hidden))
+
+    def forward(self, x):
+        return F.linear(F.relu(F.linear(x, self.fc_w.to(x.dtype))).square(), self.proj_w.to(x.dtype))
+
+
+class Block(nn.Module):
+    def __init__(self, args, layer, max_seq_len, has_value_embed):
+        super().__init__()
+        has_attention = layer not in _layer_list(args.attention_free_layers)
+        self.attn = CausalSelfAttention(args.model_dim, args.num_heads, args.head_dim, max_seq_len,
+                                        args.attn_scale, has_value_embed) if has_attention else None
+        self.mlp = MLP(args.model_dim, args.mlp_ratio * args.model_dim)
+        self.residual_mix = nn.Parameter(torch.tensor([1.0, 0.0]))  # x = a*x + b*x0
+        self.window = args.window_pattern[layer]
+
+    def forward(self, x, x0, value_embed, masks):
+        mix = self.residual_mix.to(x.dtype)
+        x = mix[0] * x + mix[1] * x0
+        if self.attn is not None:
+            x = x + self.attn(rms_norm(x), value_embed, masks[self.window])
+        return x + self.mlp(rms_norm(x))
+
+
+class FP8Matmul(torch.autograd.Function):
+    """x @ w.T with both operands in float8_e4m3 and the incoming gradient in float8_e5m2, each
+    scaled by its own absolute maximum so nothing overflows; products accumulate in higher
+    precision inside torch._scaled_mm."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        x8, x_scale = _to_fp8(x, torch.float8_e4m3fn)
+        w8, w_scale = _to_fp8(w, torch.float8_e4m3fn)
+        ctx.save_for_backward(x8, x_scale, w8, w_scale)
+        return torch._scaled_mm(x8, w8.T, scale_a=x_scale, scale_b=w_scale, out_dtype=x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x8, x_scale, w8, w_scale = ctx.saved_tensors
+        g8, g_scale = _to_fp8(grad, torch.float8_e5m2)
+        # _scaled_mm wants its first operand row-major and its second column-major.
+        grad_x = torch._scaled_mm(g8, w8.T.contiguous().T, scale_a=g_scale, scale_b=w_scale, out_dtype=grad.dtype)
+        grad_w = torch._scaled_mm(g8.T.contiguous(), x8.T.contiguous().T, scale_a=g_scale, scale_b=x_scale,
+                                  out_dtype=torch.float32)
+        return grad_x, grad_w
+
+
+def _to_fp8(t, dtype):
+    scale = (t.detach().abs().amax().float() / torch.finfo(dtype).max).clamp_min(1e-30)
+    return (t / scale).to(dtype), scale
+
+
+class GPT(nn.Module):
+    def __init__(self, args, hw):
+        super().__init__()
+        self.args, self.hw = args, hw
+        V, D, L = args.vocab_size, args.model_dim, args.num_layers
+        max_seq_len = max(args.train_seq_len, args.val_seq_len)
+        self.embed = nn.Embedding(V, D)
+        self.value_embeds = nn.ModuleList(nn.Embedding(V, D) for _ in range(args.num_value_embeds))
+        n_ve = args.num_value_embeds
+        # Value embedding i feeds block i and block L-n_ve+i: the 012...012 pattern.
+        self.value_embed_of_layer = [i if i < n_ve else (i - (L - n_ve) if i >= L - n_ve else None) for i in range(L)]
+        self.blocks = nn.ModuleList(Block(args, i, max_seq_len, self.value_embed_of_layer[i] is not None)
+                                    for i in range(L))
+        self.skip_weights = nn.Parameter(torch.ones(L // 2))
+        self.lm_head_w = nn.Parameter(torch.zeros(V, D))  # zero: the initial loss is exactly ln(V)
+
+    def forward(self, tokens, targets, long_window_blocks):
+        """tokens, targets: (T,) int64; returns the mean cross-entropy (fp32) over the T positions."""
+        masks = attention_masks(tokens, long_window_blocks, self.args, self.hw)
+        x = x0 = rms_norm(self.embed(tokens)[None].to(self.hw.compute_dtype))
+        value_embeds = [ve(tokens)[None].to(x.dtype) for ve in self.value_embeds]
+        skips = []
+        half = len(self.blocks) // 2
+        for i, block in enumerate(self.blocks):
+            if i >= len(self.blocks) - half:
+                x = x + self.skip_weights[len(self.blocks) - 1 - i].to(x.dtype) * skips.pop()
+            ve_index = self.value_embed_of_layer[i]
+            x = block(x, x0, value_embeds[ve_index] if ve_index is not None else None, masks)
+            if i < half:
+                skips.append(x)
+        x = rms_norm(x).flatten(0, 1)
+        if self.hw.fp8_head:
+            logits = FP8Matmul.apply(x, self.lm_head_w)
+        else:
+            logits = F.linear(x, self.lm_head_w.to(x.dtype))
+        cap = self.args.logit_softcap
+        logits = 2 * cap * torch.sigmoid(logits.float() / (cap / 2))
+        return F.cross_entropy(logits, targets)
+
+
+def param_specs(model, args):
+    """Which optimizer trains each parameter, and its learning-rate multiplier."""
+    specs = []
+    for name, p in model.named_parameters():
+        if name.startswith("embed.") or name.startswith("value_embeds."):
+            specs.append(ParamSpec(name, p, "adam", "embed", args.embed_lr_mult))
+        elif name == "lm_head_w":
+            specs.append(ParamSpec(name, p, "adam", "head", args.head_lr_mult))
+        elif p.ndim >= 2 and not name.endswith("gate_w"):
+            specs.append(ParamSpec(name, p, "muon", "matrix", 1.0))
+        else:
+            specs.append(ParamSpec(name, p, "adam", "scalar", args.scalar_lr_mult))
+    return specs
+
+
+def long_window_blocks_at(step, args):
+    """The long attention window, in blocks, grows linearly over training."""
+    start = args.window_start_tokens // args.attn_block_size
+    end = args.window_end_tokens // args.attn_block_size
+    return start + round((end - start) * min(step / args.num_iterations, 1.0))
+
+
+# -----------------------------------------------------------------------------------------------
+# 7. Data
+#
+# Shards: a 256 x int32 header (magic 20240520, version 1, token count) then uint16 tokens
+# (data/shards.py writes them). Training reads the shards as one continuous stream: every
+# micro-batch is a window of seq_len+1 tokens that starts at a BOS token; the next window starts
+# at the first BOS at or after the end of the previous one's inputs, so windows never overlap and
+# the tokens skipped between them are only the tail of a document. Windows are numbered globally
+# and rank r takes windows r, r+W, r+2W, ...: the data a step sees is the same for every world
+# size. The next shard is read by a background thread.
+
+SHARD_MAGIC, SHARD_VERSION, SHARD_HEADER_INTS = 20240520, 1, 256
+
+
+class DataError(ValueError):
+    """A missing or malformed data file; the message is one line naming the file."""
+
+
+class DataExhausted(RuntimeError):
+    pass
+
+
+def read_shard_header(path):
+    """Validate the header and size of a shard; return its token count."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            header = np.frombuffer(f.read(SHARD_HEADER_INTS * 4), dtype="<i4")
+    except OSError as e:
+        raise DataError(f"{path}: cannot read ({e.strerror})") from None
+    if header.size < SHARD_HEADER_INTS:
+        raise DataError(f"{path}: too short for a shard header ({size} bytes)")
+    if header[0] != SHARD_MAGIC:
+        raise DataError(f"{path}: bad magic {header[0]} (expected {SHARD_MAGIC})")
+    if header[1] != SHARD_VERSION:
+        raise DataError(f"{path}: unsupported version {header[1]} (expected {SHARD_VERSION})")
+    count = int(header[2])
+    expected = SHARD_HEADER_INTS * 4 + 2 * count
+    if size != expected:
+        raise DataError(f"{path}: header says {count} tokens ({expected} bytes) but the file has {size} bytes")
+    return count
+
+
+def load_shard(path, vocab_size):
+    count = read_shard_header(path)
+    tokens = np.fromfile(path, dtype="<u2", count=count, offset=SHARD_HEADER_INTS * 4)
+    if count and int(tokens.max()) >= vocab_size:
+        bad = int(np.argmax(tokens >= vocab_size))
+        raise DataError(f"{path}: token {int(tokens[bad])} at position {bad} is >= vocab_size {vocab_size}")
+    return torch.from_numpy(tokens.astype(np.int32))
+
+
+def find_shards(pattern, what):
+    files = sorted(glob.glob(pattern))
+    if not files:
+        raise DataError(f"{pattern}: no {what} shards match; run `python data/cached_fineweb10B.py` "
+                        "or pass --train_files/--val_files")
+    for f in files:
+        read_shard_header(f)
+    return files
+
+
+class LoadedShard:
+    def __init__(self, path, vocab_size):
+        self.path = path
+        self.tokens = load_shard(path, vocab_size)
+        self.bos = torch.nonzero(self.tokens == BOS_TOKEN).flatten()
+
+
+class TrainBatches:
+    """BOS-aligned training windows over a stream of shards, dealt out to ranks in global order."""
+
+    def __init__(self, files, seq_len, rank, world_size, vocab_size):
+        self.files, self.seq_len, self.rank, self.world_size = list(files), seq_len, rank, world_size
+        self.vocab_size = vocab_size
+        self._pool = ThreadPoolExecutor(max_workers=1)
+        self._next_file = 0
+        self._shard = self._load_next()  # synchronous: a bad first shard fails before training
+        self._prefetch = self._submit_next()
+        self._cursor = 0                 # where the next window may start, in the current shard
+        self._pending = None             # a window crossing into the next shard, awaiting its tail
+        self.windows_taken = 0
+
+    def _load_next(self):
+        if self._next_file >= len(self.files):
+            return None
+        path = self.files[self._next_file]
+        self._next_file += 1
+        return LoadedShard(path, self.vocab_size)
+
+    def _submit_next(self):
+        return self._pool.submit(self._load_next) if self._next_file < len(self.files) else None
+
+    def _advance_shard(self):
+        if self._prefetch is None:
+            raise DataExhausted(f"training data ran out after {self.windows_taken} windows of {self.seq_len} tokens "
+                                f"({len(self.files)} shard(s), last {self.files[-1]}); download more shards with "
+                                "`python data/cached_fineweb10B.py N` or lower --num_iterations")
+        self._shard = self._prefetch.result()
+        self._prefetch = self._submit_next()
+        self._cursor = 0
+
+    def _next_window(self):
+        """The next global window: seq_len + 1 tokens starting at a BOS."""
+        need = self.seq_len + 1
+        while True:
+            shard = self._shard
+            i = int(torch.searchsorted(shard.bos, self._cursor))
+            if i == len(shard.bos):          # no BOS left here: the window starts in the next shard
+                self._advance_shard()
+                continue
+            start = int(shard.bos[i])
+            n = shard.tokens.numel()
+            if start + need <= n:
+                self._cursor = start + self.seq_len
+                return shard.tokens[start:start + need]
+            head = shard.tokens[start:]       # the window spans into the next shard
+            self._advance_shard()
+            tail_len = need - head.numel()
+            if tail_len > self._shard.tokens.numel():
+                raise DataError(f"{self._shard.path}: shard shorter than one window ({self.seq_len} tokens)")
+            self._cursor = tail_len - 1
+            return torch.cat([head, self._shard.tokens[:tail_len]])
+
+    def close(self):
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def next_batch(self, device):
+        """This rank's next (inputs, targets): it takes one window out of every world_size."""
+        mine = None
+        for r in range(self.world_size):
+            window = self._next_window()
+            self.windows_taken += 1
+            if r == self.rank:
+                mine = window
+        mine = mine.to(device=device, dtype=torch.int64, non_blocking=True)
+        return mine[:-1], mine[1:]
+
+
+def load_val_tokens(files, count, vocab_size):
+    tokens = torch.cat([load_shard(f, vocab_size) for f in files])
+    if tokens.numel() < count + 1:
+        raise DataError(f"{files[0]}: validation shards hold {tokens.numel()} tokens, fewer than --val_tokens={count} + 1")
+    return tokens[:count + 1]
+
+
+def val_batches(tokens, seq_len, rank, world_size, device):
+    """Contiguous validation windows, rank r taking every world_size-th one."""
+    steps = (tokens.numel() - 1) // (seq_len * world_size)
+    for i in range(steps):
+        start = (i * world_size + rank) * seq_len
+        window = tokens[start:start + seq_len + 1].to(device=device, dtype=torch.int64, non_blocking=True)
+        yield window[:-1], window[1:]
+
+
+def resolve_data_files(args):
+    """The cpu preset uses the embedded sample when the FineWeb shards are absent."""
+    train, val = args.train_files, args.val_files
+    note = None
+    if args.preset == "cpu" and (train, val) == FINEWEB_DEFAULTS and not glob.glob(train):
+        train, val = PRESETS["cpu"]["train_files"], PRESETS["cpu"]["val_files"]
+    if args.preset == "cpu" and train == PRESETS["cpu"]["train_files"]:
+        note = "data: FineWeb shards not used; training on the embedded sample in data/sample/ (see data/sample/MANIFEST.md)"
+    return find_shards(train, "training"), find_shards(val, "validation"), note
+
+
+# -----------------------------------------------------------------------------------------------
+# 8. Training
+#
+# Set-up, then warmup steps that compile and exercise every kernel on random tokens (untimed),
+# then the model and optimizer are reset to their initial state, so warmup cannot help the run.
+# The clock runs only during training steps: it stops for validation. Everything printed goes to
+# the console and to the run's log, in the public speedrun's line formats.
+
+class RunLog:
+    """records/<YYYY-MM-DD>_<run_name>/<run_id>.txt, written by rank 0 only, never overwritten."""
+
+    def __init__(self, args, ranks, echo=True):
+        self.echo = echo and ranks.is_master
+        self.path = None
+        if ranks.is_master:
+            folder = os.path.join(args.log_dir, f"{datetime.date.today().isoformat()}_{args.run_name}")
+            os.makedirs(folder, exist_ok=True)
+            self.run_id = str(uuid.uuid4())
+            self.path = os.path.join(folder, f"{self.run_id}.txt")
+            with open(self.path, "x"):  # 'x': fail rather than overwrite an existing log
+                pass
+
+    def __call__(self, text, console=True):
+        if self.path is None:
+            return
+        if console and self.echo:
+            print(text, flush=True)
+        with open(self.path, "a") as f:
+            f.write(text + "\n")
+
+
+def hardware_description(hw):
+    if hw.device.type == "cuda":
+        try:
+            return subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=30).stdout.rstrip()
+        except (OSError, subprocess.SubprocessError):
+            return f"GPU: {torch.cuda.get_device_name(hw.device)} (nvidia-smi unavailable)"
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"CPU: {model} x{os.cpu_count()}"
+
+
+def log_header(log, args, ranks, hw, model, optimizer, data_note):
+    log(open(__file__).read(), console=False)
+    log("=" * 100, console=False)
+    log(f"Running Python {sys.version}", console=False)
+    cuda = f"compiled for CUDA {torch.version.cuda}" if torch.version.cuda else "(CPU build)"
+    log(f"Running PyTorch {torch.__version__} {cuda}", console=False)
+    log(f"Running Triton version {triton.__version__ if triton else 'not installed'}", console=False)
+    log(hardware_description(hw), console=False)
+    for f in dataclasses.fields(args):
+        log(f"{f.name}={getattr(args, f.name)}", console=False)
+    log(f"world_size={ranks.world_size} device={hw.device.type}", console=False)
+    log(f"effective: compute_dtype={str(hw.compute_dtype).removeprefix('torch.')} attention={hw.attention} "
+        f"fp8_head={hw.fp8_head} ns_backend={hw.ns_backend} grad_accum_steps={args.micro_batches // ranks.world_size}",
+        console=False)
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"parameters={n_params} optimizer_state_bytes_per_rank={optimizer.state_bytes()}", console=False)
+    log("=" * 100, console=False)
+    for spec in optimizer.specs:
+        log(f"{spec.name}: {tuple(spec.param.shape)} {spec.optimizer} {spec.group} lr_mult={spec.lr_mult}", console=False)
+    if data_note:
+        log(data_note)
+
+
+@dataclass
+class TrainResult:
+    train_losses: list = field(default_factory=list)   # mean loss over the step's micro-batches and ranks
+    val_losses: list = field(default_factory=list)     # (step, val_loss)
+    steps_done: int = 0
+    train_time_ms: float = 0.0
+    stopped_early: str | None = None
+
+
+def peak_memory_line(hw):
+    if hw.device.type == "cuda":
+        return (f"peak memory allocated: {torch.cuda.max_memory_allocated(hw.device) // 1024 // 1024} MiB "
+                f"reserved: {torch.cuda.max_memory_reserved(hw.device) // 1024 // 1024} MiB")
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024  # CPU: the process's peak RSS
+    return f"peak memory allocated: {peak_rss} MiB reserved: {peak_rss} MiB"
+
+
+def synchronize(hw):
+    if hw.device.type == "cuda":
+        torch.cuda.synchronize(hw.device)
+
+
+def train(args, ranks, hw, log, collectives=None):
+    """Build everything and run the timed training loop; returns the losses seen."""
+    torch.manual_seed(args.seed)
+    train_files, val_files, data_note = resolve_data_files(args)
+    val_tokens = load_val_tokens(val_files, args.val_tokens, args.vocab_size)
+    batches = TrainBatches(train_files, args.train_seq_len, ranks.rank, ranks.world_size, args.vocab_size)
+
+    model = GPT(args, hw).to(hw.device)
+    specs = param_specs(model, args)
+    optimizer = ShardedMuonAdam(specs, args, ranks, hw, collectives)
+    forward = torch.compile(model, dynamic=False) if args.compile else model
+    log_header(log, args, ranks, hw, model, optimizer, data_note)
+    accum_steps = args.micro_batches // ranks.world_size
+
+    def train_step(step, next_batch):
+        optimizer.lr_factor = lr_factor_at(step, args)
+        optimizer.muon_momentum = muon_momentum_at(step, args)
+        window = torch.tensor(long_window_blocks_at(step, args), device=hw.device)
+        loss_sum = torch.zeros((), device=hw.device)
+        for micro in range(accum_steps):
+            inputs, targets = next_batch()
+            if micro == accum_steps - 1 and args.overlap_comms:
+                optimizer.arm_for_final_backward()
+            loss = forward(inputs, targets, window)
+            (loss / accum_steps).backward()
+            loss_sum += loss.detach()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss_sum / accum_steps
+
+    @torch.no_grad()
+    def validate(step):
+        model.eval()
+        window = torch.tensor(long_window_blocks_at(step, args), device=hw.device)
+        total, count = torch.zeros((), device=hw.device), 0
+        for inputs, targets in val_batches(val_tokens, args.val_seq_len, ranks.rank, ranks.world_size, hw.device):
+            total += forward(inputs, targets, window)
+            count += 1
+        model.train()
+        loss = total / count
+        if ranks.world_size > 1:
+            dist.all_reduce(loss, op=dist.ReduceOp.AVG)
+        return loss.item()
+
+    # Warmup on random tokens (each window starts with a BOS, like real data), then reset.
+    if args.warmup_steps:
+        log("Compiling model and warming up kernels")
+        initial_params = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        rng = torch.Generator().manual_seed(12345)
+
+        def random_batch():
+            tokens = torch.randint(0, BOS_TOKEN, (args.train_seq_len + 1,), generator=rng)
+            tokens[0] = BOS_TOKEN
+            tokens = tokens.to(hw.device)
+            return tokens[:-1], tokens[1:]
+        for step in range(args.warmup_steps):
+            train_step(step * args.num_iterations // max(args.warmup_steps, 1), random_batch)
+        with torch.no_grad():
+            model.eval()
+            val_window = val_tokens[:args.val_seq_len + 1].to(hw.device, torch.int64)
+            forward(val_window[:-1], val_window[1:], torch.tensor(1, device=hw.device))
+            model.train()
+        model.load_state_dict(initial_params)
+        optimizer.reset_state()
+        log("Resetting Model")
+
+    result = TrainResult()
+    step_losses = []
+    training_time_ms = 0.0
+    synchronize(hw)
+    t0 = time.perf_counter()
+    N = args.num_iterations
+    step = 0
+    while True:
+        last_step = step == N or result.stopped_early is not None
+        if last_step or (args.val_every > 0 and step % args.val_every == 0):
+            synchronize(hw)
+            training_time_ms += 1000 * (time.perf_counter() - t0)
+            val_loss = validate(step)
+            result.val_losses.append((step, val_loss))
+            log(f"step:{step}/{N} val_loss:{val_loss:.4f} train_time:{training_time_ms:.0f}ms "
+                f"step_avg:{training_time_ms / max(step, 1):.2f}ms")
+            synchronize(hw)
+            t0 = time.perf_counter()
+        if last_step:
+            break
+        try:
+            step_losses.append(train_step(step, lambda: batches.next_batch(hw.device)))
+        except DataExhausted as e:
+            result.stopped_early = str(e)
+            log(f"stopping early at step {step}/{N}: {e}")
+            continue
+        step += 1
+        approx_ms = training_time_ms + 1000 * (time.perf_counter() - t0)
+        log(f"step:{step}/{N} train_time:{approx_ms:.0f}ms step_avg:{approx_ms / step:.2f}ms")
+    log(peak_memory_line(hw))
+
+    losses = torch.stack(step_losses) if step_losses else torch.zeros(0, device=hw.device)
+    if ranks.world_size > 1 and losses.numel():
+        dist.all_reduce(losses, op=dist.ReduceOp.AVG)
+    result.train_losses = losses.tolist()
+    result.steps_done = step
+    result.train_time_ms = training_time_ms
+    batches.close()
+    return result
+
+
+def main(argv=None, environ=None):
+    argv = sys.argv[1:] if argv is None else argv
+    environ = os.environ if environ is None else environ
+    ranks = Ranks.from_env(environ)
+    try:
+        args = parse_config(argv, environ, ranks.world_size)
+    except ConfigError as e:
+        print(f"train_gpt.py: error: {e}", file=sys.stderr)
+        return 2
+    hw = Hardware.detect(args)
+    if hw.device.type == "cpu":
+        torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // ranks.local_world_size))
+    try:
+        init_process_group(args, ranks, hw)
+        log = RunLog(args, ranks)
+        if ranks.is_master:
+            print(f"logging to {log.path}", flush=True)
+        result = train(args, ranks, hw, log)
+    except DataError as e:
+        print(f"train_gpt.py: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 3 if result.stopped_early else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
