@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from scipy import stats
 
 SEPARATOR = "=" * 100
 DEFAULT_TARGET = 3.28
@@ -44,7 +43,7 @@ STATISTICS_FILE = "statistics.md"
 PLOT_FILE = "val_loss_vs_time.png"
 
 _VAL_RE = re.compile(
-    r"^step:(\d+)/(\d+) val_loss:([-+0-9.eE]+|nan|inf) train_time:(\d+)ms\b"
+    r"^step:(\d+)/(\d+) val_loss:(\d+(?:\.\d*)?(?:[eE][-+]?\d+)?|nan|inf) train_time:(\d+)ms\b"
 )
 _STEP_RE = re.compile(r"^step:(\d+)/(\d+) ")
 _PEAK_RE = re.compile(r"^peak memory allocated: (\d+) MiB reserved: (\d+) MiB\s*$")
@@ -139,7 +138,7 @@ def _parse_header(lines: list[str], run: RunLog) -> None:
         try:
             run.target_val_loss = float(run.config["target_val_loss"])
         except ValueError:
-            pass  # reported as unstated target; the config value is still listed
+            pass  # treated as unstated; the raw value stays in run.config
 
 
 def parse_log_text(text: str, run_id: str = "?", path: Path | None = None) -> RunLog:
@@ -147,7 +146,7 @@ def parse_log_text(text: str, run_id: str = "?", path: Path | None = None) -> Ru
     with the log is recorded in `RunLog.problems`."""
     run = RunLog(path=path, run_id=run_id, content_hash=_sha1(text))
     lines = text.splitlines()
-    separators = [i for i, line in enumerate(lines) if line.rstrip("\r") == SEPARATOR]
+    separators = [i for i, line in enumerate(lines) if line == SEPARATOR]
     if not separators:
         run.problems.append(
             "no line of 100 '=' (not a training log, or truncated inside the source code)"
@@ -262,6 +261,10 @@ def _exclude_duplicates(runs: list[RunLog]) -> None:
             first_by_run.setdefault(run.run_hash, run)
 
 
+def _unknown_if_none(value) -> str:
+    return "unknown" if value is None else str(value)
+
+
 def _exclude_minority(runs: list[RunLog], attribute: str, what: str) -> None:
     """Exclude usable runs whose `attribute` differs from the majority value."""
     usable = [r for r in runs if r.usable]
@@ -269,15 +272,17 @@ def _exclude_minority(runs: list[RunLog], attribute: str, what: str) -> None:
     if len(counts) < 2:
         return
     if counts[0][1] == counts[1][1]:
-        split = ", ".join(f"{value}: {n} run(s)" for value, n in counts)
+        split = ", ".join(f"{_unknown_if_none(value)}: {n} run(s)" for value, n in counts)
         for run in usable:
             run.problems.append(f"{what} split evenly with no majority ({split}); split the folder")
         return
     majority = counts[0][0]
     for run in usable:
-        if getattr(run, attribute) != majority:
+        value = getattr(run, attribute)
+        if value != majority:
             run.problems.append(
-                f"{what} {getattr(run, attribute)} differs from the folder's majority ({majority})"
+                f"{what} {_unknown_if_none(value)} differs from the folder's majority"
+                f" ({_unknown_if_none(majority)})"
             )
 
 
@@ -348,12 +353,16 @@ def resolve_target(cli_target: float | None, folders: list[RecordFolder]) -> tup
     return DEFAULT_TARGET, "default", []
 
 
-def _p_value(test, *args, **kwargs) -> float | None:
-    """p-value of a scipy test, or None where it is undefined (n < 2 or no variance)."""
+def _p_value(test_name: str, *args, **kwargs) -> float | None:
+    """p-value of scipy.stats.<test_name>, or None where it is undefined."""
+    # Imported here: scipy.stats takes seconds to import, and the error paths
+    # (missing folder, no usable run) should answer at once.
+    from scipy import stats
+
     with warnings.catch_warnings():
         # scipy warns on near-constant samples; we report those as undefined
         warnings.simplefilter("ignore", RuntimeWarning)
-        p = float(test(*args, **kwargs).pvalue)
+        p = float(getattr(stats, test_name)(*args, **kwargs).pvalue)
     return p if math.isfinite(p) else None
 
 
@@ -383,7 +392,7 @@ def summarize(runs: list[RunLog], target: float) -> Summary:
     losses = np.array([r.final_val_loss for r in runs])
     times = np.array([r.train_time_ms for r in runs], dtype=float)
     loss_p = (
-        _p_value(stats.ttest_1samp, losses, target, alternative="less")
+        _p_value("ttest_1samp", losses, target, alternative="less")
         if _has_spread(losses) else None
     )
     return Summary(
@@ -420,8 +429,8 @@ def compare(runs: list[RunLog], baseline: list[RunLog]) -> Comparison:
         b = np.array([getattr(r, attribute) for r in baseline], dtype=float)
         if len(a) < 2 or len(b) < 2 or not (_has_spread(a) or _has_spread(b)):
             return float(a.mean() - b.mean()), None, None
-        two_sided = _p_value(stats.ttest_ind, a, b, equal_var=False)
-        one_sided = _p_value(stats.ttest_ind, a, b, equal_var=False, alternative="less")
+        two_sided = _p_value("ttest_ind", a, b, equal_var=False)
+        one_sided = _p_value("ttest_ind", a, b, equal_var=False, alternative="less")
         return float(a.mean() - b.mean()), two_sided, one_sided
 
     time_diff, time_p2, time_p1 = welch("train_time_ms")
@@ -467,7 +476,7 @@ def _summary_rows(folder: RecordFolder, summary: Summary) -> list[tuple[str, str
         ("train time min (s)", _fmt_s(s.time_min_ms)),
         ("train time max (s)", _fmt_s(s.time_max_ms)),
         ("steps", str(folder.total_steps)),
-        ("hardware", str(folder.hardware)),
+        ("hardware", _unknown_if_none(folder.hardware)),
     ]
 
 
@@ -551,7 +560,7 @@ def render_statistics(
     out += ["", "## Software and hardware seen (usable runs)", ""]
     for folder in [runs] + ([baseline] if baseline is not None else []):
         for what, values in (
-            ("hardware", Counter(str(r.hardware) for r in folder.usable)),
+            ("hardware", Counter(_unknown_if_none(r.hardware) for r in folder.usable)),
             ("software", Counter(r.software for r in folder.usable)),
         ):
             for value, n in sorted(values.items()):
