@@ -30,6 +30,7 @@ import sys
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +40,9 @@ DEFAULT_TARGET = 3.28
 # Significance level the record rules use for the loss test; applied to the
 # speed test too so both verdicts read the same way.
 ALPHA = 0.01
+# The rules ask for a baseline run the same day: machines drift (thermals,
+# drivers, neighbours), so an older baseline is flagged.
+MAX_BASELINE_GAP_HOURS = 24
 STATISTICS_FILE = "statistics.md"
 PLOT_FILE = "val_loss_vs_time.png"
 
@@ -52,7 +56,10 @@ _TORCH_RE = re.compile(r"^Running PyTorch (\S+)(?: compiled for CUDA (\S+))?")
 _TRITON_RE = re.compile(r"^Running Triton version (\S+)")
 # A GPU row of nvidia-smi's device table: index, name, persistence mode, '|'.
 # Process rows also start with an index but never have On/Off before a '|'.
-_GPU_ROW_RE = re.compile(r"^\|\s+(\d+)\s+(.+?)\s+(?:On|Off)\s+\|")
+_GPU_ROW_RE = re.compile(r"^\|\s+(\d+)\s+(.+?)\s+(?:On|Off)\s+\|\s+(\S+)")
+_DRIVER_RE = re.compile(r"Driver Version: (\S+)")
+# nvidia-smi's first line, e.g. "Sun Jul 13 01:45:26 2025"
+_SMI_DATE_RE = re.compile(r"^(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun) \w{3} +\d+ \d\d:\d\d:\d\d \d{4}\s*$")
 _CPU_RE = re.compile(r"^CPU: (.+?)\s*$")
 _KEY_VALUE_RE = re.compile(r"^([A-Za-z_][A-Za-z0-9_.]*)=(.*)$")
 
@@ -79,6 +86,8 @@ class RunLog:
     cuda_version: str | None = None
     triton_version: str | None = None
     hardware: str | None = None  # "8x NVIDIA H100 80GB HBM3" or "CPU: ... x2"
+    machine: str | None = None  # nvidia-smi driver and GPU bus ids: tells machines apart
+    started: datetime | None = None  # nvidia-smi's timestamp
     run_name: str | None = None
     target_val_loss: float | None = None
     config: dict[str, str] = field(default_factory=dict)  # header key=value lines
@@ -109,7 +118,8 @@ def _sha1(text: str) -> str:
 
 def _parse_header(lines: list[str], run: RunLog) -> None:
     gpus: dict[int, str] = {}
-    cpu = None
+    bus_ids: list[str] = []
+    driver = cpu = None
     for line in lines:
         if m := _PYTHON_RE.match(line):
             run.python_version = m.group(1)
@@ -119,6 +129,11 @@ def _parse_header(lines: list[str], run: RunLog) -> None:
             run.triton_version = m.group(1)
         elif m := _GPU_ROW_RE.match(line):
             gpus[int(m.group(1))] = m.group(2)
+            bus_ids.append(m.group(3))
+        elif m := _DRIVER_RE.search(line):
+            driver = m.group(1)
+        elif _SMI_DATE_RE.match(line):
+            run.started = datetime.strptime(line.strip(), "%a %b %d %H:%M:%S %Y")
         elif m := _CPU_RE.match(line):
             cpu = m.group(1)
         elif m := _KEY_VALUE_RE.match(line.strip()):
@@ -131,6 +146,7 @@ def _parse_header(lines: list[str], run: RunLog) -> None:
     if gpus:
         counts = Counter(gpus.values())
         run.hardware = " + ".join(f"{n}x {model}" for model, n in sorted(counts.items()))
+        run.machine = f"driver {driver}, GPUs at {' '.join(sorted(bus_ids))}"
     elif cpu:
         run.hardware = f"CPU: {cpu}"
     run.run_name = run.config.get("run_name")
@@ -233,17 +249,18 @@ class RecordFolder:
     def excluded(self) -> list[RunLog]:
         return [r for r in self.runs if not r.usable]
 
+    def majority(self, attribute: str):
+        """The most common value of a RunLog attribute among usable runs."""
+        values = [getattr(r, attribute) for r in self.usable]
+        return Counter(values).most_common(1)[0][0] if values else None
+
     @property
     def hardware(self) -> str | None:
-        return _most_common([r.hardware for r in self.usable])
+        return self.majority("hardware")
 
     @property
     def total_steps(self) -> int | None:
-        return _most_common([r.total_steps for r in self.usable])
-
-
-def _most_common(values):
-    return Counter(values).most_common(1)[0][0] if values else None
+        return self.majority("total_steps")
 
 
 def _exclude_duplicates(runs: list[RunLog]) -> None:
@@ -351,6 +368,38 @@ def resolve_target(cli_target: float | None, folders: list[RecordFolder]) -> tup
             f"logs state different target_val_loss values ({values}); using {DEFAULT_TARGET}"
         ]
     return DEFAULT_TARGET, "default", []
+
+
+def baseline_warnings(runs: RecordFolder, baseline: RecordFolder) -> list[str]:
+    """Reasons the time comparison may not be the same-machine, same-day
+    comparison the record rules ask for."""
+    found = []
+    if runs.hardware != baseline.hardware:
+        found.append(
+            f"hardware differs between runs ({runs.hardware}) and baseline ({baseline.hardware});"
+            " the time comparison is not a same-machine comparison"
+        )
+    elif runs.majority("machine") != baseline.majority("machine"):
+        found.append(
+            f"nvidia-smi shows another driver or other GPU bus ids for the baseline"
+            f" ({baseline.majority('machine')}) than for the runs ({runs.majority('machine')});"
+            " probably not the same machine"
+        )
+    if runs.majority("software") != baseline.majority("software"):
+        found.append(
+            f"software differs between runs ({runs.majority('software')}) and baseline"
+            f" ({baseline.majority('software')}); it can change timings by itself"
+        )
+    runs_started = sorted(r.started for r in runs.usable if r.started)
+    baseline_started = sorted(r.started for r in baseline.usable if r.started)
+    if runs_started and baseline_started:
+        gap = abs(runs_started[len(runs_started) // 2] - baseline_started[len(baseline_started) // 2])
+        if gap.total_seconds() > MAX_BASELINE_GAP_HOURS * 3600:
+            found.append(
+                f"the baseline ran {gap.total_seconds() / 86400:.1f} days apart from the runs"
+                " (median nvidia-smi timestamps); run it the same day"
+            )
+    return found
 
 
 def _p_value(test_name: str, *args, **kwargs) -> float | None:
@@ -580,19 +629,19 @@ def plot_curves(runs: RecordFolder, target: float, out_path: Path, baseline: Rec
     groups = [(runs, "tab:blue", f"runs: {runs.label}")]
     if baseline is not None:
         groups.append((baseline, "tab:orange", f"baseline: {baseline.label}"))
-    finals = [target]
+    plotted_losses = []
     for folder, colour, label in groups:
         for i, run in enumerate(folder.usable):
             seconds = [ms / 1000 for _, ms, _ in run.val_curve]
             losses = [loss for _, _, loss in run.val_curve]
-            ax.plot(seconds, losses, color=colour, alpha=0.6, linewidth=1,
+            ax.plot(seconds, losses, color=colour, alpha=0.6, linewidth=1, marker=".",
                     label=f"{label} (n={len(folder.usable)})" if i == 0 else None)
-            finals += [loss for loss in losses if math.isfinite(loss)]
+            plotted_losses += [loss for loss in losses if math.isfinite(loss)]
     ax.axhline(target, color="tab:red", linestyle="--", linewidth=1, label=f"target {target:g}")
     # Early losses (~10.8 at step 0) would flatten the region that matters, so
     # the top stops at 4.0 unless the runs never got below it.
-    finished = [r.final_val_loss for f, _, _ in groups for r in f.usable]
-    bottom = min(finals)
+    finished = [r.final_val_loss for folder, _, _ in groups for r in folder.usable]
+    bottom = min(plotted_losses + [target])
     top = max(4.0, max(finished) + 0.1)
     margin = 0.05 * (top - bottom)
     ax.set_ylim(bottom - margin, top + margin)
@@ -664,11 +713,7 @@ def main(argv: list[str] | None = None) -> int:
     if baseline is not None:
         baseline_summary = summarize(baseline.usable, target)
         comparison = compare(runs.usable, baseline.usable)
-        if runs.hardware != baseline.hardware:
-            all_warnings.append(
-                f"hardware differs between runs ({runs.hardware}) and baseline ({baseline.hardware});"
-                " the time comparison is not a same-machine comparison"
-            )
+        all_warnings += baseline_warnings(runs, baseline)
     command = "python records/compare.py " + " ".join(
         [args.runs_dir] + ([args.baseline_dir] if args.baseline_dir else [])
         + ([f"--target {args.target:g}"] if args.target is not None else [])

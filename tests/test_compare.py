@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import uuid
+from datetime import datetime
 from pathlib import Path
 
 import numpy as np
@@ -41,11 +42,11 @@ world_size=1 device=cpu
 """
 
 
-def nvidia_smi(gpu: str = H100, count: int = 8) -> str:
+def nvidia_smi(gpu: str = H100, count: int = 8, driver: str = "570.148.08", date: str = "Sun Jul 13 01:45:26 2025") -> str:
     rows = [
-        "Sun Jul 13 01:45:26 2025       ",
+        f"{date}       ",
         "+" + "-" * 89 + "+",
-        "| NVIDIA-SMI 570.148.08             Driver Version: 570.148.08     CUDA Version: 12.8     |",
+        f"| NVIDIA-SMI {driver}             Driver Version: {driver}     CUDA Version: 12.8     |",
         "|-----------------------------------------+------------------------+----------------------+",
         "| GPU  Name                 Persistence-M | Bus-Id          Disp.A | Volatile Uncorr. ECC |",
         "|=========================================+========================+======================|",
@@ -73,6 +74,8 @@ def make_log(
     gpu: str = H100,
     gpu_count: int = 8,
     cpu: str | None = None,
+    driver: str = "570.148.08",
+    date: str = "Sun Jul 13 01:45:26 2025",
     run_name: str = "myidea",
     target: float | None = 3.28,
     source: str = FAKE_SOURCE,
@@ -90,7 +93,7 @@ def make_log(
             f"Running Python {python} (main, May 27 2025, 17:12:29) [GCC 11.4.0]",
             "Running PyTorch 2.8.0.dev20250524+cu126 compiled for CUDA 12.6",
         ]
-    header = versions + [f"CPU: {cpu}" if cpu else nvidia_smi(gpu, gpu_count)]
+    header = versions + [f"CPU: {cpu}" if cpu else nvidia_smi(gpu, gpu_count, driver, date)]
     if style == "project":
         header += ["preset=speedrun", f"run_name={run_name}"]
         header += [f"target_val_loss={target}"] if target is not None else []
@@ -155,6 +158,8 @@ def test_parse_project_format_ignores_source_code():
     assert run.python_version == "3.11.7"
     assert (run.torch_version, run.cuda_version, run.triton_version) == ("2.13.0+cu128", "12.8", "3.9.0")
     assert run.hardware == f"8x {H100}"
+    assert run.machine == "driver 570.148.08, GPUs at " + " ".join(f"00000000:6{i}:00.0" for i in range(8))
+    assert run.started == datetime(2025, 7, 13, 1, 45, 26)
     assert run.run_name == "myidea" and run.target_val_loss == 3.28
     # the source code's "world_size=1 device=cpu" must not leak into the header
     assert run.config["world_size"] == "8" and run.config["device"] == "cuda"
@@ -374,7 +379,8 @@ def test_main_writes_statistics_and_plot(good_runs, baseline_runs, capsys):
     assert "- faster than the baseline: yes" in md
     for path in logs_before:
         assert path.stem in md
-    assert "excluded: unfinished" in md
+    warnings_section = md.split("## Warnings")[1].split("##")[0]
+    assert warnings_section.count("\n- ") == 1 and "excluded: unfinished" in warnings_section
     assert "hardware 8x NVIDIA H100 80GB HBM3: 6 run(s)" in md
     assert "software Python 3.11.7, PyTorch 2.13.0+cu128 (CUDA 12.8), Triton 3.9.0: 6 run(s)" in md
     assert (good_runs / "val_loss_vs_time.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -399,6 +405,21 @@ def test_main_warns_on_hardware_mismatch_with_baseline(good_runs, tmp_path):
     write_logs(other, [make_log(3.278, 150_000, gpu="NVIDIA H200"), make_log(3.279, 151_000, gpu="NVIDIA H200")])
     assert compare.main([str(good_runs), str(other)]) == 0
     assert "not a same-machine comparison" in (good_runs / "statistics.md").read_text()
+
+
+def test_baseline_warnings(good_runs, baseline_runs, tmp_path):
+    runs = compare.load_folder(good_runs)
+    assert compare.baseline_warnings(runs, compare.load_folder(baseline_runs)) == []
+    elsewhere = tmp_path / "elsewhere"
+    write_logs(elsewhere, [
+        make_log(3.278, 150_000, driver="580.159.04", date="Mon Jul 21 09:00:00 2025", python="3.12.3")
+        for _ in range(2)
+    ])
+    found = compare.baseline_warnings(runs, compare.load_folder(elsewhere))
+    assert len(found) == 3
+    assert "another driver or other GPU bus ids" in found[0] and "probably not the same machine" in found[0]
+    assert "software differs between runs (Python 3.11.7" in found[1]
+    assert "the baseline ran 8.3 days apart from the runs" in found[2]
 
 
 def test_main_fails_without_usable_runs(tmp_path, capsys):
@@ -477,6 +498,12 @@ def test_reference_fp8_pr_against_baseline(reference):
     assert result.speedup == pytest.approx(1.0131, abs=1e-4)
     assert result.time_p_faster < 1e-6  # about 1 s faster with ~0.2 s spread
     assert result.loss_p_two_sided > 0.5  # same loss within noise
+
+    assert compare.baseline_warnings(pr, base) == []
+    # the 2025 record as "baseline": same GPU model, but another machine, year and software
+    older = compare.baseline_warnings(pr, compare.load_folder(reference / "2025-07-12_BosAlign"))
+    assert ["probably not the same machine" in older[0], "software differs" in older[1]] == [True, True]
+    assert "369.5 days apart" in older[2]
 
     assert compare.main([str(pr_dir), str(base_dir)]) == 0
     md = (pr_dir / "statistics.md").read_text()
