@@ -1,0 +1,510 @@
+"""Tests for records/compare.py.
+
+Synthetic logs (written here, with known losses and times) check the parser, the
+exclusion rules and the statistics against scipy computed directly. The public
+record logs in <repo>/../shared/reference_logs, when present, check the whole
+tool on real data; they are copied to a temporary folder first because compare.py
+writes its outputs next to the logs.
+"""
+import shutil
+import subprocess
+import sys
+import uuid
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy import stats
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "records"))
+
+import compare  # noqa: E402
+
+REFERENCE_LOGS = REPO.parent / "shared" / "reference_logs"
+SEP = "=" * 100
+H100 = "NVIDIA H100 80GB HBM3"
+
+# The trainer's source code heads every log; it can contain text shaped like
+# training output, and even a separator line, none of which may be parsed.
+FAKE_SOURCE = f"""import os
+# example output, kept in the source as documentation:
+# step:20/20 val_loss:9.9999 train_time:1ms step_avg:1.00ms
+LOG_EXAMPLE = '''
+step:0/20 val_loss:10.0000 train_time:0ms step_avg:0.00ms
+step:20/20 val_loss:9.9999 train_time:1ms step_avg:1.00ms
+peak memory allocated: 1 MiB reserved: 2 MiB
+'''
+print("{SEP}")
+{SEP}
+world_size=1 device=cpu
+"""
+
+
+def nvidia_smi(gpu: str = H100, count: int = 8, driver: str = "570.148.08", date: str = "Sun Jul 13 01:45:26 2025") -> str:
+    rows = [
+        f"{date}       ",
+        "+" + "-" * 89 + "+",
+        f"| NVIDIA-SMI {driver}             Driver Version: {driver}     CUDA Version: 12.8     |",
+        "|-----------------------------------------+------------------------+----------------------+",
+        "| GPU  Name                 Persistence-M | Bus-Id          Disp.A | Volatile Uncorr. ECC |",
+        "|=========================================+========================+======================|",
+    ]
+    for i in range(count):
+        rows += [
+            f"|   {i}  {gpu:<28}On  |   00000000:6{i}:00.0 Off |                    0 |",
+            "| N/A   32C    P0            116W /  700W |    5856MiB /  81559MiB |      4%      Default |",
+            "+-----------------------------------------+------------------------+----------------------+",
+        ]
+    rows += ["| Processes:" + " " * 78 + "|", "|" + "=" * 89 + "|"]
+    rows += [
+        f"|    {i}   N/A  N/A           9168{i}      C   /usr/bin/python3                       1508MiB |"
+        for i in range(count)
+    ]
+    rows += ["+" + "-" * 89 + "+", ""]
+    return "\n".join(rows)
+
+
+def make_log(
+    final_loss: float = 3.2790,
+    final_ms: int = 170_000,
+    steps: int = 20,
+    style: str = "project",
+    gpu: str = H100,
+    gpu_count: int = 8,
+    cpu: str | None = None,
+    driver: str = "570.148.08",
+    date: str = "Sun Jul 13 01:45:26 2025",
+    run_name: str = "myidea",
+    target: float | None = 3.28,
+    source: str = FAKE_SOURCE,
+    python: str = "3.11.7",
+    finished: bool = True,
+    peak: bool = True,
+) -> str:
+    """A log in the project's format ("project") or the public one ("public"),
+    validated every steps/4 steps, its losses falling linearly to final_loss."""
+    if style == "project":
+        torch_line = "Running PyTorch 2.13.0+cpu (CPU build)" if cpu else "Running PyTorch 2.13.0+cu128 compiled for CUDA 12.8"
+        versions = [f"Running Python {python} (main, Jun  1 2025) [GCC 12.2.0]", torch_line, "Running Triton version 3.9.0"]
+    else:
+        versions = [
+            f"Running Python {python} (main, May 27 2025, 17:12:29) [GCC 11.4.0]",
+            "Running PyTorch 2.8.0.dev20250524+cu126 compiled for CUDA 12.6",
+        ]
+    header = versions + [f"CPU: {cpu}" if cpu else nvidia_smi(gpu, gpu_count, driver, date)]
+    if style == "project":
+        header += ["preset=speedrun", f"run_name={run_name}"]
+        header += [f"target_val_loss={target}"] if target is not None else []
+        header += [f"num_iterations={steps}", "world_size=8 device=cuda"]
+    body = ["embed.weight: torch.Size([50304, 768]) torch.bfloat16", "Resetting Model"]
+    val_every = max(steps // 4, 1)
+    last = steps if finished else steps - 1
+    for step in range(last + 1):
+        ms = final_ms * step // steps
+        if step:
+            body.append(f"step:{step}/{steps} train_time:{ms}ms step_avg:{ms / step:.2f}ms")
+        if step % val_every == 0 or step == steps:
+            loss = 10.8 + (final_loss - 10.8) * step / steps
+            body.append(f"step:{step}/{steps} val_loss:{loss:.4f} train_time:{ms}ms step_avg:{ms / max(step, 1):.2f}ms")
+    if peak and finished:
+        body.append("peak memory allocated: 33278 MiB reserved: 48994 MiB")
+    return "\n".join([source.rstrip("\n"), SEP, *header, SEP, *body]) + "\n"
+
+
+def write_logs(folder: Path, texts: list[str]) -> list[Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for text in texts:
+        path = folder / f"{uuid.uuid4()}.txt"
+        path.write_text(text)
+        paths.append(path)
+    return paths
+
+
+LOSSES = [3.2771, 3.2784, 3.2779, 3.2790, 3.2768, 3.2781]
+TIMES = [170_100, 170_450, 169_900, 170_300, 170_050, 170_200]
+BASE_LOSSES = [3.2782, 3.2795, 3.2769, 3.2788, 3.2777]
+BASE_TIMES = [171_300, 171_100, 171_600, 171_250, 171_400]
+
+
+@pytest.fixture
+def good_runs(tmp_path):
+    folder = tmp_path / "2026-01-01_myidea"
+    write_logs(folder, [make_log(l, t) for l, t in zip(LOSSES, TIMES)])
+    return folder
+
+
+@pytest.fixture
+def baseline_runs(tmp_path):
+    folder = tmp_path / "2026-01-01_baseline"
+    write_logs(folder, [make_log(l, t, run_name="baseline") for l, t in zip(BASE_LOSSES, BASE_TIMES)])
+    return folder
+
+
+# ---------------------------------------------------------------- parsing
+
+def test_parse_project_format_ignores_source_code():
+    run = compare.parse_log_text(make_log(3.2771, 171_743), run_id="abc")
+    assert run.usable, run.problems
+    assert run.run_id == "abc"
+    assert run.total_steps == 20 and run.last_step == 20
+    assert run.final_val_loss == 3.2771 and run.train_time_ms == 171_743
+    assert run.val_curve[0] == (0, 0, 10.8)
+    assert run.val_curve[-1] == (20, 171_743, 3.2771)
+    assert [step for step, _, _ in run.val_curve] == [0, 5, 10, 15, 20]
+    assert (run.peak_mem_allocated_mib, run.peak_mem_reserved_mib) == (33278, 48994)
+    assert run.python_version == "3.11.7"
+    assert (run.torch_version, run.cuda_version, run.triton_version) == ("2.13.0+cu128", "12.8", "3.9.0")
+    assert run.hardware == f"8x {H100}"
+    assert run.machine == "driver 570.148.08, GPUs at " + " ".join(f"00000000:6{i}:00.0" for i in range(8))
+    assert run.started == datetime(2025, 7, 13, 1, 45, 26)
+    assert run.run_name == "myidea" and run.target_val_loss == 3.28
+    # the source code's "world_size=1 device=cpu" must not leak into the header
+    assert run.config["world_size"] == "8" and run.config["device"] == "cuda"
+    assert run.config["preset"] == "speedrun" and run.config["num_iterations"] == "20"
+
+
+def test_parse_public_format():
+    run = compare.parse_log_text(make_log(3.2803, 173_291, steps=1750, style="public", python="3.10.12"))
+    assert run.usable, run.problems
+    assert (run.total_steps, run.final_val_loss, run.train_time_ms) == (1750, 3.2803, 173_291)
+    assert (run.python_version, run.torch_version, run.cuda_version) == ("3.10.12", "2.8.0.dev20250524+cu126", "12.6")
+    assert run.triton_version is None and run.run_name is None and run.target_val_loss is None
+    assert run.config == {}
+    assert run.hardware == f"8x {H100}"
+
+
+def test_parse_cpu_header_and_gpu_count():
+    cpu_run = compare.parse_log_text(make_log(cpu="AMD EPYC 7B13 x2"))
+    assert cpu_run.hardware == "CPU: AMD EPYC 7B13 x2"
+    assert (cpu_run.torch_version, cpu_run.cuda_version) == ("2.13.0+cpu", None)
+    one_gpu = compare.parse_log_text(make_log(gpu="NVIDIA H200", gpu_count=1))
+    assert one_gpu.hardware == "1x NVIDIA H200"
+
+
+def test_parse_single_separator_has_no_header():
+    text = make_log()
+    only_training = text[text.rindex(SEP):]
+    run = compare.parse_log_text(only_training)
+    assert run.usable, run.problems
+    assert run.final_val_loss == 3.2790 and run.hardware is None and run.python_version is None
+
+
+def test_garbled_lines_do_not_crash():
+    text = make_log().replace("val_loss:8.9198", "val_loss:-")
+    assert [step for step, _, _ in compare.parse_log_text(text).val_curve] == [0, 10, 15, 20]
+    run = compare.parse_log_text(text.replace("val_loss:3.2790", "val_loss:3.27.90"))
+    assert not run.usable and "unfinished" in run.problems[0]
+
+
+def test_missing_header_counts_as_unknown_hardware(tmp_path):
+    folder = tmp_path / "runs"
+    text = make_log(3.2700)
+    write_logs(folder, [make_log(3.2790), make_log(3.2780), text[text.rindex(SEP):]])
+    [warning] = compare.load_folder(folder).warnings
+    assert f"hardware unknown differs from the folder's majority (8x {H100})" in warning
+
+
+def test_every_truncation_is_caught_and_never_crashes():
+    text = make_log()
+    # cutting only the final newline leaves a complete log
+    for cut in range(len(text) - 1):
+        run = compare.parse_log_text(text[:cut])
+        assert not run.usable, f"cut at {cut} of {len(text)} accepted"
+
+
+@pytest.mark.parametrize(
+    "text, problem",
+    [
+        ("no separator at all\nstep:20/20 val_loss:3.0 train_time:1ms\n", "no line of 100 '='"),
+        (make_log(finished=False), "unfinished: no validation line at step 20/20 (last step logged: 19)"),
+        (make_log(peak=False), "truncated: no 'peak memory' line"),
+        (make_log() + make_log().split(SEP)[-1], "several runs in one file"),
+        (make_log(steps=20) + make_log(steps=24).split(SEP)[-1], "disagree on the step count (20, 24)"),
+        (make_log().replace("val_loss:3.2790", "val_loss:nan"), "final validation loss is nan"),
+    ],
+    ids=["no-separator", "unfinished", "no-peak-memory", "two-runs", "two-step-counts", "nan-loss"],
+)
+def test_parse_problems(text, problem):
+    run = compare.parse_log_text(text)
+    assert not run.usable
+    assert any(problem in p for p in run.problems), run.problems
+
+
+# ---------------------------------------------------------------- folders
+
+def test_folder_excludes_bad_runs_with_warnings(tmp_path):
+    folder = tmp_path / "runs"
+    good = write_logs(folder, [make_log(l, t) for l, t in zip(LOSSES, TIMES)])
+    bad = dict(zip(
+        ["unfinished", "truncated", "other_gpu", "other_steps"],
+        write_logs(folder, [
+            make_log(finished=False),
+            make_log(3.2700, 170_000)[:-40],
+            make_log(3.2600, 160_000, gpu="NVIDIA A100-SXM4-80GB"),
+            make_log(3.2500, 150_000, steps=24),
+        ]),
+    ))
+    copy = folder / f"{uuid.uuid4()}.txt"
+    shutil.copyfile(good[0], copy)
+    # same training output under a different source header: a copied run, not a new one
+    same_run = folder / f"{uuid.uuid4()}.txt"
+    same_run.write_text(make_log(LOSSES[1], TIMES[1], source="# edited source\n"))
+
+    result = compare.load_folder(folder)
+    assert len(result.runs) == len(good) + len(bad) + 2
+    expected = {
+        "unfinished": "unfinished",
+        "truncated": "truncated",
+        "other_gpu": f"hardware 8x NVIDIA A100-SXM4-80GB differs from the folder's majority (8x {H100})",
+        "other_steps": "step count 24 differs from the folder's majority (20)",
+    }
+    for kind, path in bad.items():
+        [warning] = [w for w in result.warnings if path.name in w.split(":")[0]]
+        assert "excluded" in warning and expected[kind] in warning, warning
+    # of each duplicate pair the first file by name is kept, the other excluded
+    for pair, reason in [((good[0], copy), "identical content"), ((good[1], same_run), "identical training output")]:
+        kept, dropped = sorted(pair)
+        assert kept in [r.path for r in result.usable]
+        [warning] = [w for w in result.warnings if dropped.name in w.split(":")[0]]
+        assert f"excluded: duplicate: {reason} to {kept.name}" in warning
+    usable_losses = sorted(r.final_val_loss for r in result.usable)
+    assert usable_losses == sorted(LOSSES) and len(result.warnings) == 6
+    assert result.hardware == f"8x {H100}" and result.total_steps == 20
+
+
+def test_folder_split_evenly_has_no_majority(tmp_path):
+    folder = tmp_path / "split"
+    write_logs(folder, [make_log(3.27, 100), make_log(3.28, 200, gpu="NVIDIA H200")])
+    result = compare.load_folder(folder)
+    assert not result.usable
+    assert all("split evenly" in w for w in result.warnings)
+
+
+def test_software_difference_warns_but_keeps(tmp_path):
+    folder = tmp_path / "runs"
+    write_logs(folder, [make_log(3.277), make_log(3.278), make_log(3.279, python="3.12.7")])
+    result = compare.load_folder(folder)
+    assert len(result.usable) == 3
+    [warning] = result.warnings
+    assert "different software (Python 3.12.7" in warning and warning.endswith("kept")
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("missing", "no such folder"),
+    ("file", "not a folder"),
+    ("empty", "no *.txt run logs in this folder"),
+])
+def test_load_folder_errors(tmp_path, kind, message):
+    path = tmp_path / kind
+    if kind == "file":
+        path.write_text("not a folder")
+    elif kind == "empty":
+        path.mkdir()
+    with pytest.raises(compare.FolderError) as error:
+        compare.load_folder(path)
+    assert str(error.value) == f"{path}: {message}"
+
+
+# ---------------------------------------------------------------- statistics
+
+def runs_with(losses, times):
+    return [compare.parse_log_text(make_log(l, t)) for l, t in zip(losses, times)]
+
+
+def test_summary_equals_scipy():
+    summary = compare.summarize(runs_with(LOSSES, TIMES), 3.28)
+    assert summary.n == len(LOSSES)
+    assert summary.loss_mean == pytest.approx(np.mean(LOSSES))
+    assert summary.loss_std == pytest.approx(np.std(LOSSES, ddof=1))
+    assert summary.loss_p == pytest.approx(stats.ttest_1samp(LOSSES, 3.28, alternative="less").pvalue)
+    assert summary.time_mean_ms == pytest.approx(np.mean(TIMES))
+    assert summary.time_std_ms == pytest.approx(np.std(TIMES, ddof=1))
+    assert summary.time_median_ms == np.median(TIMES)
+    assert (summary.time_min_ms, summary.time_max_ms) == (min(TIMES), max(TIMES))
+
+
+def test_comparison_equals_scipy():
+    result = compare.compare(runs_with(LOSSES, TIMES), runs_with(BASE_LOSSES, BASE_TIMES))
+    welch = lambda a, b, **kw: stats.ttest_ind(a, b, equal_var=False, **kw).pvalue
+    assert result.time_diff_ms == pytest.approx(np.mean(TIMES) - np.mean(BASE_TIMES))
+    assert result.time_p_two_sided == pytest.approx(welch(TIMES, BASE_TIMES))
+    assert result.time_p_faster == pytest.approx(welch(TIMES, BASE_TIMES, alternative="less"))
+    assert result.loss_diff == pytest.approx(np.mean(LOSSES) - np.mean(BASE_LOSSES))
+    assert result.loss_p_two_sided == pytest.approx(welch(LOSSES, BASE_LOSSES))
+    assert result.loss_p_lower == pytest.approx(welch(LOSSES, BASE_LOSSES, alternative="less"))
+    assert result.speedup == pytest.approx(np.mean(BASE_TIMES) / np.mean(TIMES))
+
+
+def test_undefined_statistics_are_none():
+    single = compare.summarize(runs_with([3.27], [100]), 3.28)
+    assert (single.loss_std, single.loss_p, single.time_std_ms) == (None, None, None)
+    constant = compare.summarize(runs_with([3.27, 3.27], [100, 100]), 3.28)
+    assert constant.loss_std == 0 and constant.loss_p is None
+    versus_single = compare.compare(runs_with([3.27], [100]), runs_with([3.27, 3.28], [110, 120]))
+    assert versus_single.time_p_two_sided is None and versus_single.speedup == pytest.approx(1.15)
+
+
+def test_target_resolution(tmp_path):
+    stated = tmp_path / "stated"
+    write_logs(stated, [make_log(target=3.5), make_log(3.27, target=3.5)])
+    folder = compare.load_folder(stated)
+    assert compare.resolve_target(None, [folder])[0] == 3.5
+    assert compare.resolve_target(3.3, [folder])[:2] == (3.3, "--target")
+    mixed = tmp_path / "mixed"
+    write_logs(mixed, [make_log(target=3.5), make_log(3.27, target=3.4)])
+    target, source, warnings = compare.resolve_target(None, [compare.load_folder(mixed)])
+    assert (target, source) == (3.28, "default") and "different target_val_loss" in warnings[0]
+    public = tmp_path / "public"
+    write_logs(public, [make_log(style="public")])
+    assert compare.resolve_target(None, [compare.load_folder(public)])[0] == 3.28
+
+
+# ---------------------------------------------------------------- command line
+
+def test_main_writes_statistics_and_plot(good_runs, baseline_runs, capsys):
+    write_logs(good_runs, [make_log(finished=False)])
+    logs_before = {p: p.read_bytes() for p in good_runs.glob("*.txt")}
+    assert compare.main([str(good_runs), str(baseline_runs)]) == 0
+
+    md = (good_runs / "statistics.md").read_text()
+    summary = compare.summarize(runs_with(LOSSES, TIMES), 3.28)
+    assert "# Statistics: 2026-01-01_myidea" in md
+    assert "| runs used | 6 of 7 | 5 of 5 |" in md
+    assert f"| final val loss mean | {summary.loss_mean:.4f} |" in md
+    assert f"| p (mean loss < 3.28) | {summary.loss_p:.3g} |" in md
+    assert "Speedup (baseline mean time / runs mean time)" in md
+    assert "- faster than the baseline: yes" in md
+    for path in logs_before:
+        assert path.stem in md
+    warnings_section = md.split("## Warnings")[1].split("##")[0]
+    assert warnings_section.count("\n- ") == 1 and "excluded: unfinished" in warnings_section
+    assert "hardware 8x NVIDIA H100 80GB HBM3: 6 run(s)" in md
+    assert "software Python 3.11.7, PyTorch 2.13.0+cu128 (CUDA 12.8), Triton 3.9.0: 6 run(s)" in md
+    assert (good_runs / "val_loss_vs_time.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (baseline_runs / "statistics.md").exists()
+    assert {p: p.read_bytes() for p in good_runs.glob("*.txt")} == logs_before
+
+    out = capsys.readouterr().out
+    assert "runs used" in out and "speedup" in out and "warning:" in out
+
+
+def test_main_single_run_reports_na(tmp_path):
+    folder = tmp_path / "one"
+    write_logs(folder, [make_log()])
+    assert compare.main([str(folder)]) == 0
+    md = (folder / "statistics.md").read_text()
+    assert "| final val loss std | n/a |" in md and "| p (mean loss < 3.28) | n/a |" in md
+    assert "undetermined" in md and "no baseline folder given" in md
+
+
+def test_main_warns_on_hardware_mismatch_with_baseline(good_runs, tmp_path):
+    other = tmp_path / "other_machine"
+    write_logs(other, [make_log(3.278, 150_000, gpu="NVIDIA H200"), make_log(3.279, 151_000, gpu="NVIDIA H200")])
+    assert compare.main([str(good_runs), str(other)]) == 0
+    assert "not a same-machine comparison" in (good_runs / "statistics.md").read_text()
+
+
+def test_baseline_warnings(good_runs, baseline_runs, tmp_path):
+    runs = compare.load_folder(good_runs)
+    assert compare.baseline_warnings(runs, compare.load_folder(baseline_runs)) == []
+    elsewhere = tmp_path / "elsewhere"
+    write_logs(elsewhere, [
+        make_log(3.278, 150_000, driver="580.159.04", date="Mon Jul 21 09:00:00 2025", python="3.12.3")
+        for _ in range(2)
+    ])
+    found = compare.baseline_warnings(runs, compare.load_folder(elsewhere))
+    assert len(found) == 3
+    assert "another driver or other GPU bus ids" in found[0] and "probably not the same machine" in found[0]
+    assert "software differs between runs (Python 3.11.7" in found[1]
+    assert "the baseline ran 8.3 days apart from the runs" in found[2]
+
+
+def test_main_fails_without_usable_runs(tmp_path, capsys):
+    folder = tmp_path / "broken"
+    write_logs(folder, [make_log(finished=False), make_log(peak=False)])
+    assert compare.main([str(folder)]) == 1
+    err = capsys.readouterr().err
+    assert f"compare.py: error: {folder}: no usable run among 2 log(s)" in err
+    assert not (folder / "statistics.md").exists()
+
+
+def test_main_fails_on_missing_baseline_and_self_comparison(good_runs, tmp_path, capsys):
+    assert compare.main([str(good_runs), str(tmp_path / "nope")]) == 1
+    assert capsys.readouterr().err.strip() == f"compare.py: error: {tmp_path / 'nope'}: no such folder"
+    assert compare.main([str(good_runs), str(good_runs)]) == 1
+    assert "the baseline is the runs folder itself" in capsys.readouterr().err
+
+
+def test_cli_subprocess(good_runs, tmp_path):
+    script = REPO / "records" / "compare.py"
+    ok = subprocess.run([sys.executable, str(script), str(good_runs), "--target", "3.3"],
+                        capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert "p (mean loss < 3.3)" in ok.stdout
+    assert "Target: 3.3 (--target)" in (good_runs / "statistics.md").read_text()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    failed = subprocess.run([sys.executable, str(script), str(empty)], capture_output=True, text=True, timeout=120)
+    assert failed.returncode != 0
+    assert failed.stderr.strip() == f"compare.py: error: {empty}: no *.txt run logs in this folder"
+
+
+# ---------------------------------------------------------------- real public logs
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    if not REFERENCE_LOGS.is_dir():
+        pytest.skip(f"{REFERENCE_LOGS} not present (only in the project's shared workspace)")
+    copy = tmp_path_factory.mktemp("reference_logs")
+    for folder in REFERENCE_LOGS.iterdir():
+        if folder.is_dir():
+            shutil.copytree(folder, copy / folder.name)
+    return copy
+
+
+def test_reference_bos_align(reference):
+    folder = compare.load_folder(reference / "2025-07-12_BosAlign")
+    assert len(folder.usable) == len(folder.runs) == 21
+    summary = compare.summarize(folder.usable, 3.28)
+    assert round(summary.loss_mean, 4) == 3.2790
+    assert summary.loss_p < 0.01
+    assert folder.total_steps == 1750 and folder.hardware == f"8x {H100}"
+    # checked by hand in the log: the one run with newer software, kept
+    odd = next(r for r in folder.runs if r.run_id.startswith("c1fd8a38"))
+    assert (odd.final_val_loss, odd.train_time_ms, odd.python_version) == (3.2771, 171_743, "3.12.7")
+    [warning] = folder.warnings
+    assert warning.startswith("2025-07-12_BosAlign/c1fd8a38") and warning.endswith("kept")
+
+
+def test_reference_fp8_pr_against_baseline(reference):
+    pr_dir = reference / "2026-07-17_FP8DownProjection_this_pr"
+    base_dir = reference / "2026-07-17_FP8DownProjection_baseline"
+    pr, base = compare.load_folder(pr_dir), compare.load_folder(base_dir)
+    assert len(pr.usable) == len(base.usable) == 13 and not pr.warnings and not base.warnings
+    assert pr.total_steps == base.total_steps == 1390
+    assert pr.hardware == base.hardware == f"8x {H100}"
+    first = next(r for r in pr.runs if r.run_id.startswith("11cb620c"))
+    assert (first.final_val_loss, first.train_time_ms, first.triton_version) == (3.2775, 79_532, "3.6.0")
+    assert (first.peak_mem_allocated_mib, first.peak_mem_reserved_mib) == (30220, 38672)
+    assert len(first.val_curve) == 7  # steps 0, 250, ..., 1250, 1390
+    pr_summary, base_summary = compare.summarize(pr.usable, 3.28), compare.summarize(base.usable, 3.28)
+    assert pr_summary.time_mean_ms == pytest.approx(79_684.92, abs=0.01)
+    assert base_summary.time_mean_ms == pytest.approx(80_728.62, abs=0.01)
+    assert pr_summary.loss_p < 0.01 and base_summary.loss_p < 0.01
+    result = compare.compare(pr.usable, base.usable)
+    assert result.speedup == pytest.approx(1.0131, abs=1e-4)
+    assert result.time_p_faster < 1e-6  # about 1 s faster with ~0.2 s spread
+    assert result.loss_p_two_sided > 0.5  # same loss within noise
+
+    assert compare.baseline_warnings(pr, base) == []
+    # the 2025 record as "baseline": same GPU model, but another machine, year and software
+    older = compare.baseline_warnings(pr, compare.load_folder(reference / "2025-07-12_BosAlign"))
+    assert ["probably not the same machine" in older[0], "software differs" in older[1]] == [True, True]
+    assert "369.5 days apart" in older[2]
+
+    assert compare.main([str(pr_dir), str(base_dir)]) == 0
+    md = (pr_dir / "statistics.md").read_text()
+    assert "| runs used | 13 of 13 | 13 of 13 |" in md and "1.0131x" in md
