@@ -1037,6 +1037,10 @@ class GPT(nn.Module):
 
     def forward(self, tokens, targets, long_window_blocks):
         """tokens, targets: (T,) int64; returns the mean cross-entropy (fp32) over the T positions."""
+        return F.cross_entropy(self.logits(tokens, long_window_blocks), targets)
+
+    def logits(self, tokens, long_window_blocks):
+        """(T,) tokens -> (T, vocab_size) fp32 soft-capped logits."""
         masks = attention_masks(tokens, long_window_blocks, self.args, self.hw)
         x = x0 = rms_norm(self.embed(tokens)[None].to(self.hw.compute_dtype))
         value_embeds = [ve(tokens)[None].to(x.dtype) for ve in self.value_embeds]
@@ -1055,8 +1059,7 @@ class GPT(nn.Module):
         else:
             logits = F.linear(x, self.lm_head_w.to(x.dtype))
         cap = self.args.logit_softcap
-        logits = 2 * cap * torch.sigmoid(logits.float() / (cap / 2))
-        return F.cross_entropy(logits, targets)
+        return 2 * cap * torch.sigmoid(logits.float() / (cap / 2))
 
 
 def param_specs(model, args):
@@ -1303,12 +1306,15 @@ def log_header(log, args, ranks, hw, model, optimizer, data_note):
     log(hardware_description(hw), console=False)
     for f in dataclasses.fields(args):
         log(f"{f.name}={getattr(args, f.name)}", console=False)
-    log(f"world_size={ranks.world_size} device={hw.device.type}", console=False)
-    log(f"effective: compute_dtype={str(hw.compute_dtype).removeprefix('torch.')} attention={hw.attention} "
-        f"fp8_head={hw.fp8_head} ns_backend={hw.ns_backend} grad_accum_steps={args.micro_batches // ranks.world_size}",
-        console=False)
-    n_params = sum(p.numel() for p in model.parameters())
-    log(f"parameters={n_params} optimizer_state_bytes_per_rank={optimizer.state_bytes()}", console=False)
+    # What this machine made of the configuration, in the same key=value form.
+    effective = dict(world_size=ranks.world_size, effective_device=hw.device.type,
+                     effective_compute_dtype=str(hw.compute_dtype).removeprefix("torch."),
+                     effective_attention=hw.attention, effective_fp8_head=hw.fp8_head,
+                     effective_ns_backend=hw.ns_backend, grad_accum_steps=args.micro_batches // ranks.world_size,
+                     parameters=sum(p.numel() for p in model.parameters()),
+                     optimizer_state_bytes_per_rank=optimizer.state_bytes())
+    for key, value in effective.items():
+        log(f"{key}={value}", console=False)
     log("=" * 100, console=False)
     for spec in optimizer.specs:
         log(f"{spec.name}: {tuple(spec.param.shape)} {spec.optimizer} {spec.group} lr_mult={spec.lr_mult}", console=False)
