@@ -161,6 +161,10 @@ class ConfigError(ValueError):
     """A bad configuration value; the message is one line naming the field."""
 
 
+class HelpRequested(Exception):
+    pass
+
+
 def _parse_value(name, text, kind):
     if kind is bool:
         lowered = text.strip().lower()
@@ -185,7 +189,7 @@ def parse_config(argv, environ, world_size=1, cuda_available=None):
     it = iter(argv)
     for token in it:
         if token in ("-h", "--help"):
-            raise SystemExit(config_help())
+            raise HelpRequested(config_help())
         if not token.startswith("--"):
             raise ConfigError(f"unexpected argument {token!r}: options look like --field value")
         name, sep, value = token[2:].partition("=")
@@ -1081,7 +1085,7 @@ def long_window_blocks_at(step, args):
     """The long attention window, in blocks, grows linearly over training."""
     start = args.window_start_tokens // args.attn_block_size
     end = args.window_end_tokens // args.attn_block_size
-    return start + round((end - start) * min(step / args.num_iterations, 1.0))
+    return start + int((end - start) * min(step / args.num_iterations, 1.0) + 0.5)  # round half up
 
 
 # -----------------------------------------------------------------------------------------------
@@ -1460,6 +1464,9 @@ def main(argv=None, environ=None):
     except ConfigError as e:
         print(f"train_gpt.py: error: {e}", file=sys.stderr)
         return 2
+    except HelpRequested as e:
+        print(e)
+        return 0
     hw = Hardware.detect(args)
     if hw.device.type == "cpu":
         torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // ranks.local_world_size))

@@ -1,0 +1,65 @@
+"""Shared test set-up: import paths, the Triton interpreter on CPU, small synthetic shards."""
+
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+for path in (ROOT, ROOT / "data", ROOT / "records"):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+# Without a GPU, Triton kernels run only in its interpreter, which must be chosen before any
+# kernel is defined, i.e. before train_gpt is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+from shards import BOS, write_shard  # noqa: E402
+
+
+def synthetic_documents(rng, total_tokens, min_len=5, max_len=300, vocab=50000):
+    """A token stream of BOS-prefixed documents with Zipf-like token frequencies."""
+    out = []
+    while len(out) < total_tokens:
+        length = int(rng.integers(min_len, max_len))
+        out.append(BOS)
+        out.extend(np.minimum(rng.zipf(1.2, length), vocab - 1).tolist())
+    return np.array(out[:total_tokens], dtype=np.int64)
+
+
+@pytest.fixture
+def make_shards(tmp_path):
+    """make_shards(train_sizes=[...], val_size=N, seed=0) -> (train_glob, val_glob, streams)."""
+    def make(train_sizes=(40_000,), val_size=20_000, seed=0, prefix="syn", max_len=300):
+        rng = np.random.default_rng(seed)
+        folder = tmp_path / f"{prefix}_data"
+        folder.mkdir(exist_ok=True)
+        val = synthetic_documents(rng, val_size, max_len=max_len)
+        write_shard(folder / f"{prefix}_val_000000.bin", val)
+        trains = []
+        for i, size in enumerate(train_sizes, start=1):
+            tokens = synthetic_documents(rng, size, max_len=max_len)
+            write_shard(folder / f"{prefix}_train_{i:06d}.bin", tokens)
+            trains.append(tokens)
+        return str(folder / f"{prefix}_train_*.bin"), str(folder / f"{prefix}_val_*.bin"), (trains, val)
+    return make
+
+
+# A model small enough for a CPU test, with every architectural feature switched on.
+TINY = dict(
+    preset="cpu", num_layers=4, model_dim=32, num_heads=2, head_dim=16, train_seq_len=128, val_seq_len=128,
+    attn_block_size=32, window_pattern="LSSL", window_start_tokens=32, window_end_tokens=128,
+    attention_free_layers="2", num_value_embeds=1, val_tokens=512, micro_batches=1, num_iterations=4,
+    val_every=2, warmup_steps=0, compile=False, fp8_head=False,
+)
+
+
+def tiny_argv(**overrides):
+    values = dict(TINY, **overrides)
+    return [f"--{k}={v}" for k, v in values.items()]

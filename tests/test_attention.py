@@ -1,0 +1,131 @@
+"""Attention masks: the CPU path (dense mask + scaled_dot_product_attention) and the CUDA path's
+FlexAttention BlockMask both equal a naive reference written with explicit loops over query and
+key positions, on random documents and windows."""
+
+import math
+import warnings
+
+import pytest
+import torch
+
+import train_gpt
+
+BOS = train_gpt.BOS_TOKEN
+
+
+def random_documents(T, n_docs, seed):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, BOS, (T,), generator=g)
+    tokens[torch.randperm(T, generator=g)[:n_docs]] = BOS
+    return tokens
+
+
+def naive_allowed(tokens, window_blocks, block_size):
+    """allowed[q][k] from the rules, one position pair at a time."""
+    T = len(tokens)
+    doc, docs = 0, []
+    for t in tokens.tolist():
+        doc += t == BOS
+        docs.append(doc)
+    return [[k <= q and docs[k] == docs[q] and (q // block_size - k // block_size) < window_blocks
+             for k in range(T)] for q in range(T)]
+
+
+def naive_attention(q, k, v, allowed, scale):
+    """q, k, v: (T, D) for one head; softmax over the allowed keys of each query."""
+    out = torch.zeros_like(q, dtype=torch.float64)
+    for i in range(q.shape[0]):
+        keys = [j for j in range(k.shape[0]) if allowed[i][j]]
+        scores = torch.tensor([scale * float(q[i].double() @ k[j].double()) for j in keys], dtype=torch.float64)
+        weights = torch.softmax(scores, dim=0)
+        for w, j in zip(weights, keys):
+            out[i] += w * v[j].double()
+    return out
+
+
+CASES = [(128, 32, 1, 3, 0), (128, 32, 2, 6, 1), (192, 64, 3, 1, 2), (96, 32, 5, 9, 3), (128, 16, 3, 4, 4)]
+
+
+@pytest.mark.parametrize("T, block, window, n_docs, seed", CASES)
+def test_dense_mask_equals_naive_rule(T, block, window, n_docs, seed):
+    tokens = random_documents(T, n_docs, seed)
+    dense = train_gpt.dense_attention_mask(tokens, torch.tensor(window), block)
+    assert dense.tolist() == naive_allowed(tokens, window, block)
+
+
+@pytest.mark.parametrize("T, block, window, n_docs, seed", CASES[:3])
+def test_cpu_attention_path_equals_naive_attention(T, block, window, n_docs, seed):
+    tokens = random_documents(T, n_docs, seed)
+    g = torch.Generator().manual_seed(seed)
+    H, D = 2, 8
+    q, k, v = (torch.randn(1, T, H, D, generator=g) for _ in range(3))
+    mask = train_gpt.dense_attention_mask(tokens, torch.tensor(window), block)
+    out = train_gpt.attend(q, k, v, mask, scale=0.12)
+    allowed = naive_allowed(tokens, window, block)
+    for h in range(H):
+        ref = naive_attention(q[0, :, h], k[0, :, h], v[0, :, h], allowed, 0.12)
+        torch.testing.assert_close(out[0, :, h].double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def effective_block_mask(block_mask, tokens, block_size):
+    """What the fused GPU kernel computes from a BlockMask: full blocks are taken whole, partial
+    blocks through mask_mod, and every other block is skipped."""
+    T = tokens.numel()
+    n = T // block_size
+    allowed = torch.zeros(T, T, dtype=torch.bool)
+    pos = torch.arange(T)
+    mask_mod = block_mask.mask_mod(0, 0, pos[:, None], pos[None, :])
+    kinds = ((block_mask.kv_num_blocks, block_mask.kv_indices, "partial"),
+             (block_mask.full_kv_num_blocks, block_mask.full_kv_indices, "full"))
+    for counts, indices, kind in kinds:
+        for qb in range(n):
+            for j in range(int(counts[0, 0, qb])):
+                kb = int(indices[0, 0, qb, j])
+                rows, cols = slice(qb * block_size, (qb + 1) * block_size), slice(kb * block_size, (kb + 1) * block_size)
+                allowed[rows, cols] = True if kind == "full" else mask_mod[rows, cols]
+    return allowed
+
+
+@pytest.mark.parametrize("T, block, window, n_docs, seed", CASES)
+def test_flex_block_mask_equals_naive_rule(T, block, window, n_docs, seed):
+    tokens = random_documents(T, n_docs, seed)
+    block_mask = train_gpt.flex_block_mask(tokens, torch.tensor(window), block)
+    dense = torch.tensor(naive_allowed(tokens, window, block))
+    # Equality also proves that blocks marked full are fully allowed (the kernel skips mask_mod
+    # there) and that skipped blocks hold no allowed pair.
+    assert torch.equal(effective_block_mask(block_mask, tokens, block), dense)
+
+
+def test_block_mask_uses_full_partial_and_skipped_blocks():
+    tokens = random_documents(256, 1, 0)  # one document (plus the prefix before its BOS)
+    block_mask = train_gpt.flex_block_mask(tokens, torch.tensor(3), 32)
+    full, partial = block_mask.full_kv_num_blocks[0, 0], block_mask.kv_num_blocks[0, 0]
+    assert int(full.sum()) > 0 and int(partial.sum()) > 0
+    assert int((full + partial).max()) <= 3  # the window skips older blocks
+
+
+@pytest.mark.parametrize("T, block, window, n_docs, seed", CASES[:3])
+def test_flex_attention_forward_equals_naive_attention(T, block, window, n_docs, seed):
+    from torch.nn.attention.flex_attention import flex_attention
+    tokens = random_documents(T, n_docs, seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    H, D = 2, 8
+    q, k, v = (torch.randn(1, H, T, D, generator=g) for _ in range(3))
+    block_mask = train_gpt.flex_block_mask(tokens, torch.tensor(window), block)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # eager FlexAttention warns that it is unfused
+        out = flex_attention(q, k, v, block_mask=block_mask, scale=0.12)
+    allowed = naive_allowed(tokens, window, block)
+    ref = naive_attention(q[0, 0], k[0, 0], v[0, 0], allowed, 0.12)
+    torch.testing.assert_close(out[0, 0].double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_short_window_is_half_the_long_one():
+    args = train_gpt.Hyperparameters(attn_block_size=32)
+    hw = train_gpt.Hardware(torch.device("cpu"), torch.float32, "sdpa", False, "torch", "gloo")
+    tokens = random_documents(256, 1, 0)
+    masks = train_gpt.attention_masks(tokens, torch.tensor(4), args, hw)
+    assert torch.equal(masks["L"], train_gpt.dense_attention_mask(tokens, torch.tensor(4), 32))
+    assert torch.equal(masks["S"], train_gpt.dense_attention_mask(tokens, torch.tensor(2), 32))
+    one = train_gpt.attention_masks(tokens, torch.tensor(1), args, hw)
+    assert torch.equal(one["S"], one["L"])  # never below one block

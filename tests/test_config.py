@@ -1,0 +1,98 @@
+"""Configuration: presets, overrides from the command line and the environment, and rejection of
+bad values with one line naming the field, before any process group, file or data is touched."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+import train_gpt
+from conftest import ROOT
+
+
+def parse(argv=(), environ=None, world_size=1, cuda=False):
+    return train_gpt.parse_config(list(argv), environ or {}, world_size, cuda)
+
+
+def test_default_preset_follows_the_hardware():
+    assert parse(cuda=False).preset == "cpu"
+    speedrun = parse(cuda=True)
+    assert speedrun.preset == "speedrun"
+    assert (speedrun.num_layers, speedrun.model_dim, speedrun.num_iterations) == (12, 768, 1750)
+
+
+def test_cpu_preset_changes_only_its_own_fields():
+    cpu = parse(["--preset", "cpu"])
+    assert cpu.num_layers == train_gpt.PRESETS["cpu"]["num_layers"]
+    assert cpu.muon_lr == train_gpt.Hyperparameters.muon_lr  # not in the preset: the speedrun value
+
+
+def test_command_line_and_environment_overrides():
+    args = parse(["--num_iterations", "7", "--muon_lr=0.02", "--normuon", "true"], {"VAL_EVERY": "3"})
+    assert (args.num_iterations, args.muon_lr, args.normuon, args.val_every) == (7, 0.02, True, 3)
+    # The command line beats the environment, which beats the preset.
+    args = parse(["--val_every", "5"], {"VAL_EVERY": "3", "SEED": "11"})
+    assert (args.val_every, args.seed) == (5, 11)
+    assert parse([], {"PRESET": "speedrun"}).preset == "speedrun"
+    assert parse(["--run-name", "x"]).run_name == "x"  # dashes are accepted for underscores
+
+
+@pytest.mark.parametrize("value, expected", [("1", True), ("yes", True), ("off", False), ("False", False)])
+def test_booleans(value, expected):
+    assert parse(["--compile", value]).compile is expected
+
+
+BAD = [
+    (["--bogus", "1"], {}, 1, "--bogus"),
+    (["--num_layer", "3"], {}, 1, "did you mean --num_layers"),
+    (["--num_iterations", "ten"], {}, 1, "--num_iterations"),
+    (["--compile", "maybe"], {}, 1, "--compile"),
+    ([], {"MUON_LR": "fast"}, 1, "--muon_lr"),
+    (["--train_seq_len", "1000"], {}, 1, "attn_block_size"),
+    (["--preset", "speedrun"], {}, 3, "world size 3 must divide"),
+    (["--ns_method", "svd"], {}, 1, "--ns_method"),
+    (["--run_name", "../escape"], {}, 1, "--run_name"),
+    (["--window_pattern", "LLL"], {}, 1, "--window_pattern"),
+    (["--num_heads", "3"], {}, 1, "num_heads x head_dim"),
+    (["--cooldown_frac", "1.5"], {}, 1, "--cooldown_frac"),
+    (["--preset", "gpu"], {}, 1, "--preset"),
+    (["--num_iterations"], {}, 1, "missing value"),
+    (["positional"], {}, 1, "unexpected argument"),
+    (["--device", "cuda"], {}, 1, "no CUDA device"),
+]
+
+
+@pytest.mark.parametrize("argv, environ, world_size, needle", BAD)
+def test_bad_values_name_the_field(argv, environ, world_size, needle):
+    with pytest.raises(train_gpt.ConfigError) as err:
+        parse(argv, environ, world_size)
+    message = str(err.value)
+    assert needle in message and "\n" not in message
+
+
+def test_main_rejects_before_touching_anything(tmp_path, capsys):
+    log_dir = tmp_path / "logs"
+    environ = {"WORLD_SIZE": "3", "RANK": "0", "PRESET": "speedrun"}
+    assert train_gpt.main([f"--log_dir={log_dir}"], environ) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("train_gpt.py: error: --micro_batches=8")
+    assert not log_dir.exists()
+    assert not train_gpt.dist.is_initialized()
+
+
+def test_script_exit_status_and_single_line(tmp_path):
+    env = dict(os.environ, NUM_ITERATIONS="-4")
+    proc = subprocess.run([sys.executable, str(ROOT / "train_gpt.py"), "--preset", "cpu"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "train_gpt.py: error: --num_iterations=-4: must be positive"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_help_lists_every_field():
+    with pytest.raises(train_gpt.HelpRequested) as help_info:
+        parse(["--help"])
+    text = str(help_info.value)
+    for name in ("num_iterations", "ns_method", "overlap_comms"):
+        assert f"--{name}" in text

@@ -1,0 +1,150 @@
+"""The data loader: windows start at BOS, ranks never overlap and together see exactly what one
+rank would see, tokens are accounted for exactly across shard boundaries, running out of data
+and bad files give clear errors; the trainer's shard reader agrees with data/shards.py."""
+
+import numpy as np
+import pytest
+import torch
+
+import train_gpt
+from shards import BOS, write_shard
+
+
+def reference_windows(stream, seq_len):
+    """The loader's rule on one concatenated stream: each window is seq_len+1 tokens starting at a
+    BOS; the next one starts at the first BOS at or after the end of this one's inputs."""
+    bos = np.flatnonzero(stream == BOS)
+    windows, cursor = [], 0
+    while True:
+        i = np.searchsorted(bos, cursor)
+        if i == len(bos) or bos[i] + seq_len + 1 > len(stream):
+            return windows
+        start = int(bos[i])
+        windows.append((start, stream[start:start + seq_len + 1]))
+        cursor = start + seq_len
+
+
+def drain(loader):
+    out = []
+    while True:
+        try:
+            inputs, targets = loader.next_batch(torch.device("cpu"))
+        except train_gpt.DataExhausted:
+            return out
+        out.append((inputs, targets))
+
+
+def test_windows_follow_the_reference_rule_across_shard_boundaries(make_shards):
+    train_glob, _, (trains, _) = make_shards(train_sizes=(5_000, 3_000, 4_000), max_len=150)
+    files = train_gpt.find_shards(train_glob, "training")
+    stream = np.concatenate(trains)
+    seq_len = 256
+    expected = reference_windows(stream, seq_len)
+    loader = train_gpt.TrainBatches(files, seq_len, rank=0, world_size=1, vocab_size=50304)
+    got = drain(loader)
+    loader.close()
+    assert len(got) == len(expected) > 30
+    boundaries = np.cumsum([len(t) for t in trains])[:-1]
+    spanning = 0
+    for (inputs, targets), (start, window) in zip(got, expected):
+        assert inputs[0].item() == BOS
+        assert torch.equal(inputs, torch.from_numpy(window[:-1]).long())
+        assert torch.equal(targets, torch.from_numpy(window[1:]).long())
+        spanning += any(start < b < start + seq_len + 1 for b in boundaries)
+    assert spanning >= 1, "the data should make at least one window span a shard boundary"
+    # Exact accounting: the stream splits into window inputs and gaps; no token is read twice and
+    # a gap never holds a BOS, so only document tails are skipped, never a whole document.
+    starts = [start for start, _ in expected]
+    gaps = [b - (a + seq_len) for a, b in zip(starts, starts[1:])]
+    assert min(gaps) >= 0
+    for a, gap in zip(starts, gaps):
+        assert BOS not in stream[a + seq_len:a + seq_len + gap]
+    tail = len(stream) - (starts[-1] + seq_len)
+    assert starts[0] + len(starts) * seq_len + sum(gaps) + tail == len(stream)
+    assert loader.windows_taken == len(expected)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_ranks_split_the_same_windows_without_overlap(make_shards, world_size):
+    train_glob, _, (trains, _) = make_shards(train_sizes=(6_000, 6_000))
+    files = train_gpt.find_shards(train_glob, "training")
+    seq_len = 128
+    single = [x for x, _ in drain(train_gpt.TrainBatches(files, seq_len, 0, 1, 50304))]
+    per_rank = [[x for x, _ in drain(train_gpt.TrainBatches(files, seq_len, r, world_size, 50304))]
+                for r in range(world_size)]
+    steps = len(single) // world_size
+    for step in range(steps):
+        for r in range(world_size):
+            assert torch.equal(per_rank[r][step], single[step * world_size + r])
+    # windows are disjoint stretches of the stream: no two ranks read the same tokens
+    stream = np.concatenate(trains)
+    starts = [s for s, _ in reference_windows(stream, seq_len)]
+    assert all(b - a >= seq_len for a, b in zip(starts, starts[1:]))
+
+
+def test_running_out_of_data_says_what_to_do(make_shards):
+    train_glob, _, _ = make_shards(train_sizes=(2_000,))
+    loader = train_gpt.TrainBatches(train_gpt.find_shards(train_glob, "training"), 256, 0, 1, 50304)
+    with pytest.raises(train_gpt.DataExhausted) as err:
+        for _ in range(100):
+            loader.next_batch(torch.device("cpu"))
+    assert "cached_fineweb10B.py" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_validation_windows_cover_val_tokens_once(make_shards):
+    _, val_glob, (_, val) = make_shards(val_size=5_000)
+    files = train_gpt.find_shards(val_glob, "validation")
+    tokens = train_gpt.load_val_tokens(files, 4096, 50304)
+    assert torch.equal(tokens, torch.from_numpy(val[:4097]).int())
+    seen = []
+    for rank in range(2):
+        for inputs, targets in train_gpt.val_batches(tokens, 512, rank, 2, torch.device("cpu")):
+            assert torch.equal(targets[:-1], inputs[1:])
+            seen.append(inputs)
+    assert sum(x.numel() for x in seen) == 4096
+    assert torch.equal(torch.sort(torch.cat(seen)).values, torch.sort(tokens[:4096].long()).values)
+
+
+def test_trainer_reader_agrees_with_data_writer(tmp_path):
+    tokens = np.array([BOS, 1, 2, 65535 - 1, 50303, 0, BOS, 7], dtype=np.int64)
+    path = tmp_path / "x.bin"
+    write_shard(path, tokens)
+    assert train_gpt.read_shard_header(str(path)) == len(tokens)
+    assert train_gpt.load_shard(str(path), vocab_size=65536).tolist() == tokens.tolist()
+
+
+def corrupt(path, how):
+    raw = bytearray(path.read_bytes())
+    if how == "magic":
+        raw[0:4] = (12345).to_bytes(4, "little")
+    elif how == "version":
+        raw[4:8] = (7).to_bytes(4, "little")
+    elif how == "truncated":
+        raw = raw[:-2]
+    elif how == "short":
+        raw = raw[:100]
+    path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("how, needle", [("magic", "bad magic 12345"), ("version", "unsupported version 7"),
+                                         ("truncated", "but the file has"), ("short", "too short")])
+def test_bad_shards_fail_with_one_line_naming_the_file(tmp_path, how, needle):
+    path = tmp_path / "bad.bin"
+    write_shard(path, np.arange(10))
+    corrupt(path, how)
+    with pytest.raises(train_gpt.DataError) as err:
+        train_gpt.load_shard(str(path), 50304)
+    message = str(err.value)
+    assert message.startswith(str(path)) and needle in message and "\n" not in message
+
+
+def test_out_of_range_token_is_reported(tmp_path):
+    path = tmp_path / "big.bin"
+    write_shard(path, [BOS, 5, 60000, 3])
+    with pytest.raises(train_gpt.DataError, match=r"big.bin: token 60000 at position 2 is >= vocab_size 50304"):
+        train_gpt.load_shard(str(path), 50304)
+
+
+def test_missing_shards_name_the_pattern(tmp_path):
+    with pytest.raises(train_gpt.DataError, match="no training shards match"):
+        train_gpt.find_shards(str(tmp_path / "nothing_*.bin"), "training")

@@ -1,0 +1,113 @@
+"""End to end: the script trains a tiny configuration for a few steps and writes a complete log
+that records/compare.py can read; in-process training is deterministic and unaffected by warmup."""
+
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import train_gpt
+from conftest import ROOT, TINY, tiny_argv
+
+STEP_VAL = re.compile(r"^step:(\d+)/(\d+) val_loss:(\d+\.\d{4}) train_time:(\d+)ms step_avg:(\d+\.\d{2})ms$")
+STEP_TRAIN = re.compile(r"^step:(\d+)/(\d+) train_time:(\d+)ms step_avg:(\d+\.\d{2})ms$")
+PEAK = re.compile(r"^peak memory allocated: (\d+) MiB reserved: (\d+) MiB$")
+
+
+def run_script(tmp_path, *extra):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("WORLD_SIZE", None)
+    return subprocess.run([sys.executable, str(ROOT / "train_gpt.py"), *extra], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_script_writes_a_complete_log(tmp_path, make_shards):
+    train_glob, val_glob, _ = make_shards()
+    log_dir = tmp_path / "records"
+    argv = tiny_argv(train_files=train_glob, val_files=val_glob, log_dir=log_dir, run_name="e2e", warmup_steps=1)
+    proc = run_script(tmp_path, *argv)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    logs = list(log_dir.glob("*_e2e/*.txt"))
+    assert len(logs) == 1
+    log = logs[0]
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}_e2e", log.parent.name)
+    assert re.fullmatch(r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[0-9a-f]{4}-[0-9a-f]{12}", log.stem)
+    text = log.read_text()
+    source = (ROOT / "train_gpt.py").read_text()
+    assert text.startswith(source)
+    lines = text[len(source):].splitlines()
+    separators = [i for i, line in enumerate(lines) if line == "=" * 100]
+    assert len(separators) == 2
+    header = lines[separators[0] + 1:separators[1]]
+    assert header[0].startswith("Running Python ")
+    assert header[1].startswith("Running PyTorch ")
+    assert header[2].startswith("Running Triton version ")
+    assert header[3].startswith("CPU: ")
+    for key in ("preset=cpu", "run_name=e2e", "target_val_loss=3.28", "num_iterations=4", "world_size=1",
+                "effective_device=cpu", "effective_attention=sdpa"):
+        assert key in header, key
+    for f in train_gpt.dataclasses.fields(train_gpt.Hyperparameters):
+        assert any(line.startswith(f"{f.name}=") for line in header), f.name
+    assert any(line.startswith("optimizer_state_bytes_per_rank=") for line in header)
+
+    body = lines[separators[1] + 1:]
+    val_steps = [int(m.group(1)) for m in map(STEP_VAL.match, body) if m]
+    train_steps = [int(m.group(1)) for m in map(STEP_TRAIN.match, body) if m]
+    assert val_steps == [0, 2, 4]
+    assert train_steps == [1, 2, 3, 4]
+    assert PEAK.match(body[-1])
+    assert "Resetting Model" in body
+    # the console shows the same training lines
+    assert "step:4/4 val_loss:" in proc.stdout
+
+    import compare
+    run = compare.parse_log(log)
+    assert run.usable, run.problems
+    assert run.total_steps == 4 and run.run_name == "e2e" and run.target_val_loss == 3.28
+    assert run.final_val_loss == pytest.approx(float(STEP_VAL.match(
+        [line for line in body if line.startswith("step:4/4 val")][0]).group(3)))
+
+    # a second run never overwrites the first log
+    again = run_script(tmp_path, *argv)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert len(list(log_dir.glob("*_e2e/*.txt"))) == 2
+    assert log.read_text() == text
+
+
+def in_process(make_shards_result, **overrides):
+    train_glob, val_glob, _ = make_shards_result
+    args = train_gpt.Hyperparameters(**dict(TINY, train_files=train_glob, val_files=val_glob, **overrides))
+    train_gpt.check_config(args, 1, False)
+    hw = train_gpt.Hardware.detect(args)
+    log = lambda *a, **k: None  # noqa: E731
+    return train_gpt.train(args, train_gpt.Ranks(), hw, log)
+
+
+def test_training_lowers_the_loss_and_warmup_changes_nothing(make_shards):
+    data = make_shards()
+    cold = in_process(data, warmup_steps=0, num_iterations=6, val_every=3)
+    warm = in_process(data, warmup_steps=3, num_iterations=6, val_every=3)
+    assert cold.val_losses[0][1] == pytest.approx(math.log(50304), abs=1e-4)
+    assert cold.val_losses[-1][1] < cold.val_losses[0][1] - 0.5
+    assert len(cold.train_losses) == 6 and cold.steps_done == 6
+    # warmup runs on random tokens and is then undone: the run is bit-for-bit the same
+    assert warm.train_losses == cold.train_losses
+    assert warm.val_losses == cold.val_losses
+
+
+def test_running_out_of_data_stops_cleanly(tmp_path, make_shards):
+    train_glob, val_glob, _ = make_shards(train_sizes=(1_000,))
+    log_dir = tmp_path / "records"
+    proc = run_script(tmp_path, *tiny_argv(train_files=train_glob, val_files=val_glob, log_dir=log_dir,
+                                           num_iterations=50, val_every=0))
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    text = next(log_dir.glob("*/*.txt")).read_text()
+    assert "stopping early at step" in text and "training data ran out" in text
+    assert re.search(r"^step:\d+/50 val_loss:", text, re.M)  # validated where it stopped
+    assert PEAK.search(text.splitlines()[-1])
