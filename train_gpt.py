@@ -362,6 +362,10 @@ def run_fingerprint(args):
     return int.from_bytes(digest.digest()[:7], "little")  # fits in int64
 
 
+class RankMismatch(RuntimeError):
+    pass
+
+
 def check_ranks_agree(args, ranks, hw):
     mine = torch.tensor([run_fingerprint(args)], dtype=torch.int64, device=hw.device)
     everyone = torch.empty(ranks.world_size, dtype=torch.int64, device=hw.device)
@@ -369,7 +373,7 @@ def check_ranks_agree(args, ranks, hw):
     fingerprints = everyone.tolist()
     if len(set(fingerprints)) > 1:
         odd = [r for r, f in enumerate(fingerprints) if f != fingerprints[0]]
-        raise RuntimeError(f"ranks {odd} run different code or configuration than rank 0 "
+        raise RankMismatch(f"ranks {odd} run different code or configuration than rank 0 "
                            f"(fingerprints {fingerprints}); launch every rank with the same train_gpt.py and options")
 
 
@@ -387,6 +391,7 @@ class Collectives:
         self.world_size = world_size
         self.sent_bytes = 0
         self.calls = 0
+        self.wait_seconds = 0.0   # time spent blocked in wait(): communication not hidden by compute
 
     def _count(self, payload_bytes, rounds):
         self.calls += 1
@@ -405,6 +410,13 @@ class Collectives:
     def all_reduce_mean(self, tensor):
         self._count(tensor.numel() * tensor.element_size(), 2)
         return dist.all_reduce(tensor, op=dist.ReduceOp.AVG, async_op=True)
+
+    def wait(self, work):
+        """Block until an async collective is done. The Work object's wait() serves every backend
+        (gloo has no futures for reduce_scatter); on CUDA it only orders the current stream."""
+        start = time.perf_counter()
+        work.wait()
+        self.wait_seconds += time.perf_counter() - start
 
 
 # -----------------------------------------------------------------------------------------------
@@ -493,20 +505,13 @@ class CommUnit:
     def __init__(self, params):
         self.params = list(dict.fromkeys(params))
         self.pending = set()
-        self.works = []
+        self.work = None
 
     def arm(self):
         self.pending = {id(p) for p in self.params}
-        self.works = []
 
     def mark_ready(self, param):
         self.pending.discard(id(param))
-        return not self.pending
-
-    def wait(self):
-        for work in self.works:
-            work.wait()
-        self.works = []
 
 
 class MuonBucket(CommUnit):
@@ -667,17 +672,17 @@ class ShardedMuonAdam:
             for i, slot in enumerate(unit.slots):
                 unit.grad_stack[i].copy_(slot.view(slot.spec.param.grad))
             group = next(g for g in self.muon_groups if unit in g["buckets"])
-            unit.works.append(self.comm.reduce_scatter(self._local_grads(group, unit), unit.grad_stack))
+            unit.work = self.comm.reduce_scatter(self._local_grads(group, unit), unit.grad_stack)
         elif isinstance(unit, AdamShard):
             grad = unit.spec.param.grad
             if unit.grad_buffer is not None:
                 unit.grad_buffer[:grad.shape[0]].copy_(grad)
                 grad = unit.grad_buffer
             unit.local_grad = torch.empty_like(unit.exp_avg)
-            unit.works.append(self.comm.reduce_scatter(unit.local_grad, grad))
+            unit.work = self.comm.reduce_scatter(unit.local_grad, grad)
         else:
             unit.flat = torch.cat([s.param.grad.flatten() for s in unit.specs])
-            unit.works.append(self.comm.all_reduce_mean(unit.flat))
+            unit.work = self.comm.all_reduce_mean(unit.flat)
 
     def _local_grads(self, group, bucket):
         """This rank's slice of the group's reduced gradients that belongs to `bucket`."""
@@ -718,7 +723,7 @@ class ShardedMuonAdam:
             grads = torch.cat([b.grad_stack for b in buckets]) if len(buckets) > 1 else buckets[0].grad_stack
         else:
             for b in buckets:
-                b.wait()
+                self.comm.wait(b.work)
             grads = group["local_grad"]
         mine = self._owned_slots(group)
         momentum = group["momentum"]
@@ -745,7 +750,7 @@ class ShardedMuonAdam:
             work = self.comm.all_gather(b.param_stack, local.contiguous())
 
             def finish(b=b, work=work):
-                work.wait()
+                self.comm.wait(work)
                 for i, slot in enumerate(b.slots):
                     slot.view(slot.spec.param).copy_(b.param_stack[i])
             finishes.append(finish)
@@ -770,7 +775,7 @@ class ShardedMuonAdam:
         if self.world_size == 1:
             adam_apply(p, p.grad, shard.exp_avg, shard.exp_avg_sq, *self._adam_hparams(shard.spec))
             return []
-        shard.wait()
+        self.comm.wait(shard.work)
         rows = shard.rows_per_rank
         start = self.rank * rows
         full = shard.param_buffer if shard.param_buffer is not None else p
@@ -781,7 +786,7 @@ class ShardedMuonAdam:
         work = self.comm.all_gather(full, local)
 
         def finish():
-            work.wait()
+            self.comm.wait(work)
             if shard.param_buffer is not None:
                 p.copy_(shard.param_buffer[:p.shape[0]])
         return [finish]
@@ -791,7 +796,7 @@ class ShardedMuonAdam:
         if not specs:
             return
         if self.world_size > 1:
-            self.small.wait()
+            self.comm.wait(self.small.work)
             grads = self.small.flat.split([s.param.numel() for s in specs])
         else:
             grads = [s.param.grad for s in specs]
@@ -942,7 +947,7 @@ def attend(q, k, v, mask, scale):
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, dim, num_heads, head_dim, max_seq_len, scale, has_value_embed):
+    def __init__(self, dim, num_heads, head_dim, rotary, scale, has_value_embed):
         super().__init__()
         self.num_heads, self.head_dim, self.scale = num_heads, head_dim, scale
         bound = 3 ** 0.5 * 0.5 * dim ** -0.5  # uniform with std 0.5/sqrt(dim)
@@ -951,7 +956,7 @@ class CausalSelfAttention(nn.Module):
         self.qkvo_w = nn.Parameter(qkvo)
         self.gate_w = nn.Parameter(torch.zeros(num_heads, 12))  # sigmoid(0) = 0.5 on every head
         self.value_mix = nn.Parameter(torch.tensor([0.5, 0.5])) if has_value_embed else None
-        self.rotary = Rotary(head_dim, max_seq_len)
+        self.rotary = rotary  # shared by all blocks: its tables are large at validation lengths
 
     def forward(self, x, value_embed, mask):
         B, T, _ = x.shape
@@ -978,10 +983,10 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, args, layer, max_seq_len, has_value_embed):
+    def __init__(self, args, layer, rotary, has_value_embed):
         super().__init__()
         has_attention = layer not in _layer_list(args.attention_free_layers)
-        self.attn = CausalSelfAttention(args.model_dim, args.num_heads, args.head_dim, max_seq_len,
+        self.attn = CausalSelfAttention(args.model_dim, args.num_heads, args.head_dim, rotary,
                                         args.attn_scale, has_value_embed) if has_attention else None
         self.mlp = MLP(args.model_dim, args.mlp_ratio * args.model_dim)
         self.residual_mix = nn.Parameter(torch.tensor([1.0, 0.0]))  # x = a*x + b*x0
@@ -1028,23 +1033,34 @@ class GPT(nn.Module):
         super().__init__()
         self.args, self.hw = args, hw
         V, D, L = args.vocab_size, args.model_dim, args.num_layers
-        max_seq_len = max(args.train_seq_len, args.val_seq_len)
+        self.rotary = Rotary(args.head_dim, max(args.train_seq_len, args.val_seq_len))
         self.embed = nn.Embedding(V, D)
         self.value_embeds = nn.ModuleList(nn.Embedding(V, D) for _ in range(args.num_value_embeds))
         n_ve = args.num_value_embeds
         # Value embedding i feeds block i and block L-n_ve+i: the 012...012 pattern.
         self.value_embed_of_layer = [i if i < n_ve else (i - (L - n_ve) if i >= L - n_ve else None) for i in range(L)]
-        self.blocks = nn.ModuleList(Block(args, i, max_seq_len, self.value_embed_of_layer[i] is not None)
+        self.blocks = nn.ModuleList(Block(args, i, self.rotary, self.value_embed_of_layer[i] is not None)
                                     for i in range(L))
         self.skip_weights = nn.Parameter(torch.ones(L // 2))
         self.lm_head_w = nn.Parameter(torch.zeros(V, D))  # zero: the initial loss is exactly ln(V)
 
     def forward(self, tokens, targets, long_window_blocks):
         """tokens, targets: (T,) int64; returns the mean cross-entropy (fp32) over the T positions."""
-        return F.cross_entropy(self.logits(tokens, long_window_blocks), targets)
+        return self.head(self.trunk(tokens, long_window_blocks), targets)
 
     def logits(self, tokens, long_window_blocks):
         """(T,) tokens -> (T, vocab_size) fp32 soft-capped logits."""
+        return self.head(self.trunk(tokens, long_window_blocks))
+
+    def compile_regions(self):
+        """Compile each block and the head as separate graphs rather than the whole model as one:
+        backward then finishes a block's gradients as soon as that block is done, which is what
+        lets the optimizer's hooks start communicating while earlier blocks are still in backward."""
+        for block in self.blocks:
+            block.compile(dynamic=False)
+        self.head = torch.compile(self.head, dynamic=False)
+
+    def trunk(self, tokens, long_window_blocks):
         masks = attention_masks(tokens, long_window_blocks, self.args, self.hw)
         x = x0 = rms_norm(self.embed(tokens)[None].to(self.hw.compute_dtype))
         value_embeds = [ve(tokens)[None].to(x.dtype) for ve in self.value_embeds]
@@ -1057,13 +1073,18 @@ class GPT(nn.Module):
             x = block(x, x0, value_embeds[ve_index] if ve_index is not None else None, masks)
             if i < half:
                 skips.append(x)
+        return x
+
+    def head(self, x, targets=None):
+        """Final norm, the (optionally FP8) projection, the soft cap, and the loss if targets given."""
         x = rms_norm(x).flatten(0, 1)
         if self.hw.fp8_head:
             logits = FP8Matmul.apply(x, self.lm_head_w)
         else:
             logits = F.linear(x, self.lm_head_w.to(x.dtype))
         cap = self.args.logit_softcap
-        return 2 * cap * torch.sigmoid(logits.float() / (cap / 2))
+        logits = 2 * cap * torch.sigmoid(logits.float() / (cap / 2))
+        return logits if targets is None else F.cross_entropy(logits, targets)
 
 
 def param_specs(model, args):
@@ -1348,8 +1369,9 @@ def synchronize(hw):
         torch.cuda.synchronize(hw.device)
 
 
-def train(args, ranks, hw, log, collectives=None):
-    """Build everything and run the timed training loop; returns the losses seen."""
+def train(args, ranks, hw, log, collectives=None, on_step=None):
+    """Build everything and run the timed training loop; returns the losses seen.
+    on_step(step, model, optimizer), if given, runs after each optimizer step (tests use it)."""
     torch.manual_seed(args.seed)
     train_files, val_files, data_note = resolve_data_files(args)
     val_tokens = load_val_tokens(val_files, args.val_tokens, args.vocab_size)
@@ -1358,7 +1380,8 @@ def train(args, ranks, hw, log, collectives=None):
     model = GPT(args, hw).to(hw.device)
     specs = param_specs(model, args)
     optimizer = ShardedMuonAdam(specs, args, ranks, hw, collectives)
-    forward = torch.compile(model, dynamic=False) if args.compile else model
+    if args.compile:
+        model.compile_regions()
     log_header(log, args, ranks, hw, model, optimizer, data_note)
     accum_steps = args.micro_batches // ranks.world_size
 
@@ -1371,7 +1394,7 @@ def train(args, ranks, hw, log, collectives=None):
             inputs, targets = next_batch()
             if micro == accum_steps - 1 and args.overlap_comms:
                 optimizer.arm_for_final_backward()
-            loss = forward(inputs, targets, window)
+            loss = model(inputs, targets, window)
             (loss / accum_steps).backward()
             loss_sum += loss.detach()
         optimizer.step()
@@ -1384,7 +1407,7 @@ def train(args, ranks, hw, log, collectives=None):
         window = torch.tensor(long_window_blocks_at(step, args), device=hw.device)
         total, count = torch.zeros((), device=hw.device), 0
         for inputs, targets in val_batches(val_tokens, args.val_seq_len, ranks.rank, ranks.world_size, hw.device):
-            total += forward(inputs, targets, window)
+            total += model(inputs, targets, window)
             count += 1
         model.train()
         loss = total / count
@@ -1408,7 +1431,7 @@ def train(args, ranks, hw, log, collectives=None):
         with torch.no_grad():
             model.eval()
             val_window = val_tokens[:args.val_seq_len + 1].to(hw.device, torch.int64)
-            forward(val_window[:-1], val_window[1:], torch.tensor(1, device=hw.device))
+            model(val_window[:-1], val_window[1:], torch.tensor(1, device=hw.device))
             model.train()
         model.load_state_dict(initial_params)
         optimizer.reset_state()
@@ -1441,6 +1464,8 @@ def train(args, ranks, hw, log, collectives=None):
             log(f"stopping early at step {step}/{N}: {e}")
             continue
         step += 1
+        if on_step is not None:
+            on_step(step, model, optimizer)
         approx_ms = training_time_ms + 1000 * (time.perf_counter() - t0)
         log(f"step:{step}/{N} train_time:{approx_ms:.0f}ms step_avg:{approx_ms / step:.2f}ms")
     log(peak_memory_line(hw))
@@ -1476,7 +1501,7 @@ def main(argv=None, environ=None):
         if ranks.is_master:
             print(f"logging to {log.path}", flush=True)
         result = train(args, ranks, hw, log)
-    except DataError as e:
+    except (DataError, RankMismatch) as e:
         print(f"train_gpt.py: error: {e}", file=sys.stderr)
         return 1
     finally:
