@@ -35,6 +35,7 @@ import multiprocessing
 import os
 import platform
 import random
+import re
 import shutil
 import sys
 import sysconfig
@@ -78,21 +79,28 @@ def module_name(relative):
     return ".".join(parts) or "__init__"
 
 
+CODING_COOKIE = re.compile(r"^[ \t\f]*#.*?coding[:=]")  # PEP 263
+
+
 def _comment_blocks(source):
-    """(line, text) of each run of comment lines worth reading as prose."""
+    """(first line, text) of each comment block that reads as prose."""
     blocks, current, last_line = [], [], None
     try:
         for tok in tokenize.tokenize(io.BytesIO(source).readline):
             if tok.type != tokenize.COMMENT:
                 continue
             line = tok.start[0]
+            if line <= 2 and (tok.string.startswith("#!") or CODING_COOKIE.match(tok.line)):
+                continue  # shebang or encoding declaration
             text = tok.string.lstrip("#")
             text = text[1:] if text.startswith(" ") else text
-            if last_line is not None and line != last_line + 1:
+            full_line = tok.line.lstrip().startswith("#")
+            # full-line comments on consecutive lines form one block; a comment after code stands alone
+            if current and not (full_line and line == last_line + 1):
                 blocks.append(current)
                 current = []
             current.append((line, text.rstrip()))
-            last_line = line
+            last_line = line if full_line else -1
     except (tokenize.TokenError, SyntaxError):
         pass  # keep what was read before the error
     if current:
@@ -102,10 +110,10 @@ def _comment_blocks(source):
         text = "\n".join(t for _, t in block).strip()
         words = [w for w in text.split() if any(c.isalpha() for c in w)]
         letters = sum(c.isalpha() for c in text)
-        # drops coding cookies, commented-out code, separators and pragmas
-        if len(words) >= 4 and letters >= 0.6 * len(text.replace(" ", "").replace("\n", "")):
-            if "coding" not in text.splitlines()[0] and not text.startswith("!"):
-                kept.append((block[0][0], text))
+        visible = len(text) - text.count(" ") - text.count("\n")
+        # a few words, mostly letters: drops separators, pragmas and most commented-out code
+        if len(words) >= 4 and letters >= 0.6 * visible:
+            kept.append((block[0][0], text))
     return kept
 
 

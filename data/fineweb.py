@@ -219,8 +219,8 @@ def tokenize_to_shards(documents, out_dir, prefix, shard_size=DEFAULT_SHARD_SIZE
         raise ValueError(f"workers must be a positive int, got {workers!r}")
     if max_shards is not None and (not isinstance(max_shards, int) or max_shards < 1):
         raise ValueError(f"max_shards must be a positive int or None, got {max_shards!r}")
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9.-]*", prefix):
-        raise ValueError(f"prefix must be letters, digits, '.' or '-', got {prefix!r}")
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", prefix):
+        raise ValueError(f"prefix must be letters, digits, '.', '_' or '-', got {prefix!r}")
     out_dir = Path(out_dir)
     previous = existing_shards(out_dir, prefix, first_index)
     if not overwrite:

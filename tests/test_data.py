@@ -224,8 +224,9 @@ def test_documents_span_shards(tmp_path, gpt2, workers):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names)
 
 
-def test_max_shards_and_first_index(tmp_path, gpt2):
-    written = fineweb.tokenize_to_shards(DOCS * 3, tmp_path, "toy", shard_size=40, workers=1, first_index=3,
+@pytest.mark.parametrize("workers", [1, 2])
+def test_max_shards_and_first_index(tmp_path, gpt2, workers):
+    written = fineweb.tokenize_to_shards(DOCS * 3, tmp_path, "toy", shard_size=40, workers=workers, first_index=3,
                                          max_shards=2, encoding=gpt2, log=lambda _: None)
     assert [p.name for p, _ in written] == ["toy_train_000003.bin", "toy_train_000004.bin"]
     assert read_all(written) == expected_stream(gpt2, DOCS * 3)[:80]
@@ -245,9 +246,13 @@ def test_existing_shards_are_not_overwritten(tmp_path, gpt2):
     assert read_all(written) == expected_stream(gpt2, DOCS[:2])
 
 
-def test_bad_arguments_fail_before_work(tmp_path, gpt2):
+@pytest.mark.parametrize("workers", [1, 2])
+def test_non_text_document_is_an_error(tmp_path, gpt2, workers):
     with pytest.raises(TypeError, match="document 1 is bytes"):
-        fineweb.tokenize_to_shards(["ok", b"bytes"], tmp_path, "toy", 100, 1, encoding=gpt2, log=lambda _: None)
+        fineweb.tokenize_to_shards(["ok", b"bytes"], tmp_path, "toy", 100, workers, encoding=gpt2, log=lambda _: None)
+
+
+def test_bad_arguments_fail_before_work(tmp_path, gpt2):
     for kwargs in (dict(shard_size=0), dict(workers=0), dict(prefix="a/b"), dict(max_shards=0)):
         args = dict(documents=DOCS, out_dir=tmp_path / "never", prefix="toy", encoding=gpt2) | kwargs
         with pytest.raises(ValueError):
