@@ -263,9 +263,8 @@ def check_config(args, world_size, cuda_available):
              f"--{name}={getattr(args, name)}: must be a multiple of attn_block_size={bs}")
     need(args.window_end_tokens >= args.window_start_tokens,
          f"--window_end_tokens={args.window_end_tokens}: must be >= window_start_tokens={args.window_start_tokens}")
-    need(args.val_tokens % (world_size * args.val_seq_len) == 0,
-         f"--val_tokens={args.val_tokens}: must be a multiple of world size x val_seq_len "
-         f"= {world_size} x {args.val_seq_len}")
+    need(args.val_tokens % args.val_seq_len == 0,
+         f"--val_tokens={args.val_tokens}: must be a multiple of val_seq_len={args.val_seq_len}")
     need(args.vocab_size > BOS_TOKEN, f"--vocab_size={args.vocab_size}: must exceed the BOS token id {BOS_TOKEN}")
     need(args.num_heads * args.head_dim == args.model_dim,
          f"--head_dim={args.head_dim}: num_heads x head_dim must equal model_dim={args.model_dim} "
@@ -342,6 +341,10 @@ class Ranks:
                      int(environ.get("WORLD_SIZE", 1)), int(environ.get("LOCAL_WORLD_SIZE", 1)))
 
 
+class RankMismatch(RuntimeError):
+    """Ranks that cannot work together: absent, or running different code or configuration."""
+
+
 def init_process_group(args, ranks, hw):
     """Join the process group (only when there is more than one rank) with a timeout, so a dead
     rank raises instead of hanging, then check that every rank runs the same code and config."""
@@ -351,7 +354,13 @@ def init_process_group(args, ranks, hw):
         return
     timeout = datetime.timedelta(seconds=args.dist_timeout_s)
     kwargs = dict(device_id=hw.device) if hw.device.type == "cuda" else {}
-    dist.init_process_group(hw.dist_backend, rank=ranks.rank, world_size=ranks.world_size, timeout=timeout, **kwargs)
+    try:
+        dist.init_process_group(hw.dist_backend, rank=ranks.rank, world_size=ranks.world_size, timeout=timeout,
+                                **kwargs)
+    except (RuntimeError, dist.DistError) as e:
+        first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise RankMismatch(f"rank {ranks.rank}: could not join {ranks.world_size} ranks within "
+                           f"--dist_timeout_s={args.dist_timeout_s} ({first_line})") from None
     check_ranks_agree(args, ranks, hw)
 
 
@@ -362,15 +371,11 @@ def run_fingerprint(args):
     return int.from_bytes(digest.digest()[:7], "little")  # fits in int64
 
 
-class RankMismatch(RuntimeError):
-    pass
-
-
 def check_ranks_agree(args, ranks, hw):
     mine = torch.tensor([run_fingerprint(args)], dtype=torch.int64, device=hw.device)
-    everyone = torch.empty(ranks.world_size, dtype=torch.int64, device=hw.device)
-    dist.all_gather_into_tensor(everyone, mine)
-    fingerprints = everyone.tolist()
+    everyone = [torch.empty_like(mine) for _ in range(ranks.world_size)]
+    dist.all_gather(everyone, mine)
+    fingerprints = [int(f) for f in everyone]
     if len(set(fingerprints)) > 1:
         odd = [r for r, f in enumerate(fingerprints) if f != fingerprints[0]]
         raise RankMismatch(f"ranks {odd} run different code or configuration than rank 0 "
@@ -386,6 +391,12 @@ def check_ranks_agree(args, ranks, hw):
 # or all-gather, twice that per all-reduce) so tests and benchmarks can compare the traffic with
 # the lower bound, and it is never called at world size 1.
 
+# torch 2.13 renamed the tensor-in/tensor-out collectives; older releases (the H100 images run
+# 2.11) only have the old names. Same arguments either way.
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 class Collectives:
     def __init__(self, world_size):
         self.world_size = world_size
@@ -400,12 +411,12 @@ class Collectives:
     def reduce_scatter(self, out, inp):
         """out (n/W, ...) <- the average over ranks of this rank's slice of inp (n, ...). Async."""
         self._count(inp.numel() * inp.element_size(), 1)
-        return dist.reduce_scatter_tensor(out, inp, op=dist.ReduceOp.AVG, async_op=True)
+        return _reduce_scatter_single(out, inp, op=dist.ReduceOp.AVG, async_op=True)
 
     def all_gather(self, out, inp):
         """out (W*n, ...) <- every rank's inp (n, ...), in rank order. Async."""
         self._count(out.numel() * out.element_size(), 1)
-        return dist.all_gather_into_tensor(out, inp, async_op=True)
+        return _all_gather_single(out, inp, async_op=True)
 
     def all_reduce_mean(self, tensor):
         self._count(tensor.numel() * tensor.element_size(), 2)
@@ -1257,9 +1268,8 @@ def load_val_tokens(files, count, vocab_size):
 
 def val_batches(tokens, seq_len, rank, world_size, device):
     """Contiguous validation windows, rank r taking every world_size-th one."""
-    steps = (tokens.numel() - 1) // (seq_len * world_size)
-    for i in range(steps):
-        start = (i * world_size + rank) * seq_len
+    for i in range(rank, (tokens.numel() - 1) // seq_len, world_size):
+        start = i * seq_len
         window = tokens[start:start + seq_len + 1].to(device=device, dtype=torch.int64, non_blocking=True)
         yield window[:-1], window[1:]
 
@@ -1405,15 +1415,14 @@ def train(args, ranks, hw, log, collectives=None, on_step=None):
     def validate(step):
         model.eval()
         window = torch.tensor(long_window_blocks_at(step, args), device=hw.device)
-        total, count = torch.zeros((), device=hw.device), 0
+        sum_and_count = torch.zeros(2, device=hw.device)  # ranks may hold one window more than others
         for inputs, targets in val_batches(val_tokens, args.val_seq_len, ranks.rank, ranks.world_size, hw.device):
-            total += model(inputs, targets, window)
-            count += 1
+            sum_and_count[0] += model(inputs, targets, window)
+            sum_and_count[1] += 1
         model.train()
-        loss = total / count
         if ranks.world_size > 1:
-            dist.all_reduce(loss, op=dist.ReduceOp.AVG)
-        return loss.item()
+            dist.all_reduce(sum_and_count)
+        return (sum_and_count[0] / sum_and_count[1]).item()
 
     # Warmup on random tokens (each window starts with a BOS, like real data), then reset.
     if args.warmup_steps:

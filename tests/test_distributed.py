@@ -1,0 +1,257 @@
+"""DDP-free sharded training on CPU with gloo: world sizes 1-4 train the same model, ranks stay
+identical, uneven shapes are padded, traffic equals the ring lower bound, world size 1 issues no
+collective, and a bad launch fails fast with a clear message instead of hanging."""
+
+import contextlib
+import io
+import os
+import socket
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import train_gpt
+from conftest import tiny_argv
+
+# 12 micro-batches per step divide by 1, 2, 3 and 4; vocab 50305 rows do not divide by 2, 3 or 4,
+# so the row-sharded Adam parameters need padding; buckets of 5 matrices leave padded stacks.
+# adam_eps=1e-6 (the speedrun uses 1e-10): Adam's update g/(|g|+eps) turns gradients of order eps
+# into steps of order lr, so with eps=1e-10 the few dozen embedding entries (of 1.6M) whose
+# gradient is within rounding noise of zero take opposite +-lr steps under different summation
+# orders. That is Adam's sensitivity, not the communication's; eps=1e-6 bounds it.
+EQUIVALENCE = dict(micro_batches=12, num_iterations=5, val_every=0, vocab_size=50305, muon_bucket_matrices=5,
+                   adam_eps=1e-6,
+                   val_tokens=384, val_seq_len=128)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_env(rank, world_size, port):
+    return dict(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def train_worker(rank, world_size, port, argv, out_path, overlap):
+    """One rank: train, check after every step that all ranks hold identical parameters, save."""
+    os.environ.update(rank_env(rank, world_size, port))
+    torch.set_num_threads(1)
+    args = train_gpt.parse_config(argv + [f"--overlap_comms={overlap}"], {}, world_size, False)
+    ranks = train_gpt.Ranks.from_env(os.environ)
+    hw = train_gpt.Hardware.detect(args)
+    train_gpt.init_process_group(args, ranks, hw)
+    comm = train_gpt.Collectives(world_size)
+    record = dict(rank_spread=[], sent_bytes=[], calls=[])
+
+    def on_step(step, model, optimizer):
+        flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+        if world_size > 1:
+            everyone = [torch.empty_like(flat) for _ in range(world_size)]
+            dist.all_gather(everyone, flat)
+            record["rank_spread"].append(max((e - flat).abs().max().item() for e in everyone))
+        record["sent_bytes"].append(comm.sent_bytes)
+        record["calls"].append(comm.calls)
+        if step == args.num_iterations:
+            record["params"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            record["param_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
+            record["padding_bytes"] = padding_bytes(optimizer)
+            record["state_bytes"] = optimizer.state_bytes()
+
+    result = train_gpt.train(args, ranks, hw, lambda *a, **k: None, collectives=comm, on_step=on_step)
+    record["losses"] = result.train_losses
+    if rank == 0:
+        torch.save(record, out_path)
+    dist.destroy_process_group() if dist.is_initialized() else None
+
+
+def padding_bytes(optimizer):
+    """Zero rows and matrices that fill stacks up to a multiple of the world size."""
+    total = 0
+    for group in optimizer.muon_groups:
+        for b in group["buckets"]:
+            total += (b.grad_stack.shape[0] - len(b.slots)) * b.grad_stack[0].numel() * 4
+    for shard in optimizer.adam_shards:
+        p = shard.spec.param
+        total += (shard.padded_rows - p.shape[0]) * p[0].numel() * 4
+    return total
+
+
+def run_world(world_size, argv, tmp_path, overlap=True):
+    out = tmp_path / f"ws{world_size}_{overlap}.pt"
+    if world_size == 1:
+        # A single process with no process group: exactly how `python train_gpt.py` runs.
+        args = train_gpt.parse_config(argv + [f"--overlap_comms={overlap}"], {}, 1, False)
+        comm = NoCollectives(1)
+        states = {}
+
+        def on_step(step, model, optimizer):
+            if step == args.num_iterations:
+                states["params"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+                states["state_bytes"] = optimizer.state_bytes()
+        result = train_gpt.train(args, train_gpt.Ranks(), train_gpt.Hardware.detect(args), lambda *a, **k: None,
+                                 collectives=comm, on_step=on_step)
+        return dict(losses=result.train_losses, params=states["params"], state_bytes=states["state_bytes"],
+                    calls=[comm.calls])
+    mp.start_processes(train_worker, args=(world_size, free_port(), argv, str(out), overlap), nprocs=world_size,
+                       join=True, start_method="spawn")
+    return torch.load(out)
+
+
+class NoCollectives(train_gpt.Collectives):
+    """At world size 1 any collective is a bug."""
+
+    def _count(self, payload_bytes, rounds):
+        raise AssertionError("a collective was issued at world size 1")
+
+
+@pytest.fixture(scope="module")
+def equivalence_runs(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("dist")
+    from conftest import synthetic_documents
+    import numpy as np
+    from shards import write_shard
+    rng = np.random.default_rng(7)
+    write_shard(tmp_path / "d_val_000000.bin", synthetic_documents(rng, 2_000))
+    write_shard(tmp_path / "d_train_000001.bin", synthetic_documents(rng, 30_000))
+    argv = tiny_argv(train_files=str(tmp_path / "d_train_*.bin"), val_files=str(tmp_path / "d_val_*.bin"),
+                     **EQUIVALENCE)
+    runs = {ws: run_world(ws, argv, tmp_path) for ws in (1, 2, 3, 4)}
+    runs["2_no_overlap"] = run_world(2, argv, tmp_path, overlap=False)
+    runs["argv"] = argv
+    return runs
+
+
+# Tolerance. The world sizes compute the same sums in different orders (a step's gradient is the
+# average of 12 micro-batches taken as 12x1, 6x2, 4x3 or 3x4), so they differ by fp32 rounding.
+# Where sums cancel, e.g. the embedding rows of frequent tokens, which add hundreds of
+# contributions, that rounding reaches ~1e-4 relative, and Adam passes gradient noise through at
+# up to its learning rate per step. Measured differences after 5 steps: ~6e-4 on embeddings
+# (lr 0.6), <1e-5 on the Muon matrices (lr 0.05). So each parameter may differ by 1e-3 of the
+# largest distance it can move (steps x its learning rate): 3e-3 for embeddings, 2.5e-4 for
+# matrices; a lost micro-batch, a missed average or a mis-sharded row moves parameters by a
+# large fraction of that distance. Losses agree to 1e-5 relative (measured ~1e-6).
+MOVEMENT_FRACTION = 1e-3
+LOSS_RTOL = 1e-5
+
+
+def movement_bounds(argv):
+    """name -> steps x learning rate of that parameter, from the trainer's own optimizer split."""
+    args = train_gpt.parse_config(argv, {}, 1, False)
+    model = train_gpt.GPT(args, train_gpt.Hardware.detect(args))
+    bounds = {}
+    for spec in train_gpt.param_specs(model, args):
+        if spec.optimizer == "muon":
+            rows, cols = spec.param.shape[-2:]
+            lr = args.muon_lr * max(1.0, rows / cols) ** 0.5
+        else:
+            lr = args.adam_lr * spec.lr_mult
+        bounds[spec.name] = args.num_iterations * lr
+    return bounds
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4, "2_no_overlap"])
+def test_world_sizes_train_the_same_model(equivalence_runs, world_size):
+    single, multi = equivalence_runs[1], equivalence_runs[world_size]
+    assert len(single["losses"]) == len(multi["losses"]) == EQUIVALENCE["num_iterations"]
+    assert single["losses"][-1] < single["losses"][0] - 0.2  # it is training, not idling
+    for a, b in zip(single["losses"], multi["losses"]):
+        assert b == pytest.approx(a, rel=LOSS_RTOL)
+    bounds = movement_bounds(equivalence_runs["argv"])
+    assert set(bounds) == set(single["params"])
+    for name, value in single["params"].items():
+        torch.testing.assert_close(multi["params"][name], value, atol=MOVEMENT_FRACTION * bounds[name], rtol=0,
+                                   msg=lambda m: f"{name}: {m}")
+
+
+def test_overlap_changes_nothing(equivalence_runs):
+    """Launching reduce-scatters from backward hooks or after backward gives the same bits."""
+    with_hooks, without = equivalence_runs[2], equivalence_runs["2_no_overlap"]
+    assert with_hooks["losses"] == without["losses"]
+    for name, value in with_hooks["params"].items():
+        assert torch.equal(without["params"][name], value), name
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_ranks_hold_identical_parameters_after_every_step(equivalence_runs, world_size):
+    spread = equivalence_runs[world_size]["rank_spread"]
+    assert len(spread) == EQUIVALENCE["num_iterations"]
+    assert max(spread) == 0.0  # all-gathered values are copies: bitwise identical
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_traffic_equals_the_ring_lower_bound(equivalence_runs, world_size):
+    run = equivalence_runs[world_size]
+    W = world_size
+    per_step = [b - a for a, b in zip([0] + run["sent_bytes"], run["sent_bytes"])]
+    assert len(set(per_step)) == 1
+    # Every parameter crosses the ring twice per step (reduce-scatter + all-gather, or the small
+    # ones' all-reduce): 2(W-1)/W of its bytes, plus the same for the zero padding of stacks.
+    bound = 2 * (W - 1) * run["param_bytes"] // W
+    padding = 2 * (W - 1) * run["padding_bytes"] // W
+    assert per_step[0] == pytest.approx(bound + padding, abs=64)
+    assert run["padding_bytes"] > 0  # the uneven shapes were exercised
+    assert padding < 0.05 * bound
+
+
+def test_optimizer_state_is_sharded(equivalence_runs):
+    single = equivalence_runs[1]["state_bytes"]
+    for W in (2, 3, 4):
+        per_rank = equivalence_runs[W]["state_bytes"]
+        assert per_rank < 1.1 * single / W + 64 * 1024, (W, per_rank, single)
+
+
+def test_world_size_one_issues_no_collective(equivalence_runs):
+    assert equivalence_runs[1]["calls"] == [0]
+    assert not dist.is_initialized()
+
+
+def main_worker(rank, world_size, port, argv_per_rank, out_dir):
+    os.environ.update(rank_env(rank, world_size, port))
+    torch.set_num_threads(1)
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+        code = train_gpt.main(argv_per_rank[rank], dict(os.environ))
+    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
+        f.write(f"{code}\n{stderr.getvalue()}")
+
+
+def launch_main(tmp_path, argv_per_rank, world_size):
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=main_worker, args=(r, world_size, port, argv_per_rank, str(tmp_path)))
+             for r in range(len(argv_per_rank))]
+    start = time.time()
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+        assert p.exitcode == 0, "worker crashed or hung"
+    outputs = [(tmp_path / f"rank{r}.txt").read_text().split("\n", 1) for r in range(len(argv_per_rank))]
+    return [(int(code), err.strip()) for code, err in outputs], time.time() - start
+
+
+def test_inconsistent_launch_fails_fast(tmp_path, make_shards):
+    train_glob, val_glob, _ = make_shards()
+    base = tiny_argv(train_files=train_glob, val_files=val_glob, log_dir=tmp_path / "logs", micro_batches=2,
+                     dist_timeout_s=60)
+    results, elapsed = launch_main(tmp_path, [base, base + ["--seed=1"]], world_size=2)
+    for code, err in results:
+        assert code == 1
+        assert err.splitlines() == [err] and "ranks [1] run different code or configuration" in err
+    assert elapsed < 60
+    assert not (tmp_path / "logs").exists()  # nothing was written
+
+
+def test_missing_rank_times_out_with_a_message(tmp_path, make_shards):
+    train_glob, val_glob, _ = make_shards()
+    argv = tiny_argv(train_files=train_glob, val_files=val_glob, micro_batches=2, dist_timeout_s=3)
+    results, elapsed = launch_main(tmp_path, [argv], world_size=2)  # rank 1 never starts
+    code, err = results[0]
+    assert code == 1 and "could not join 2 ranks within --dist_timeout_s=3" in err and "\n" not in err
+    assert elapsed < 60
