@@ -8,6 +8,8 @@
 # Methods: "aol" (Turbo-Muon: AOL row scaling, a free by-product of the first Gram,
 # guarantees ||X||_2 <= 1 without a Frobenius normalization, so one step is saved),
 # "polar_express" and "newton_schulz" (Frobenius normalization, 5 steps each).
+# AOL iterates on diag(s) G and so converges to its polar factor, not exactly G's:
+# 0.3% relative on Gaussian 768x3072, more when row norms differ a lot.
 # Backends: "torch" is the readable twin and the reference; "triton" runs the same
 # algorithm with kernels that compute only half of every symmetric product.
 # The Frobenius norm is read from the first Gram's diagonal (||X||_F^2 = tr XX^T),
@@ -132,10 +134,10 @@ def orthogonalize_torch(G: torch.Tensor, method: str = "aol", coeffs: list | Non
     through that dtype, which is what bf16 GEMMs with fp32 accumulation do on GPU.
     """
     coeffs = _resolve_coeffs(method, coeffs)
-    if round_through is None:
-        rounded = lambda t: t
-    else:
-        rounded = lambda t: t.to(round_through).to(t.dtype)
+
+    def rounded(t: torch.Tensor) -> torch.Tensor:
+        return t if round_through is None else t.to(round_through).to(t.dtype)
+
     X, tall = _as_wide_stack(G)
     X = rounded(X)
     for step, (a, b, c) in enumerate(coeffs):
@@ -167,7 +169,8 @@ def aol_precondition(G: torch.Tensor) -> torch.Tensor:
     return (X.mT if tall else X).reshape(G.shape)
 
 
-def orthogonalize(G: torch.Tensor, method: str = "aol", backend: str = "torch", coeffs: list | None = None) -> torch.Tensor:
+def orthogonalize(G: torch.Tensor, method: str = "aol", backend: str = "torch",
+                  coeffs: list | None = None) -> torch.Tensor:
     """Approximate polar factor of G, shape (m, n) or (..., m, n), in G's dtype.
 
     coeffs overrides the method's (a, b, c) table (one tuple per step).
@@ -218,15 +221,20 @@ def _rect_tile_configs():
 if triton is not None:
 
     @triton.jit
-    def _upper_tile_coords(tile_id):
-        # Tile pairs (row <= col) are numbered column by column: column c holds the ids
-        # c(c+1)/2 ... c(c+1)/2 + c. Invert with a square root; fp32 may land one off
-        # near perfect squares, so nudge to the exact integer answer.
-        col = ((tl.sqrt(8.0 * tile_id.to(tl.float32) + 1.0) - 1.0) * 0.5).to(tl.int32)
-        col = tl.where(col * (col + 1) // 2 > tile_id, col - 1, col)
-        col = tl.where((col + 1) * (col + 2) // 2 <= tile_id, col + 1, col)
-        row = tile_id - col * (col + 1) // 2
-        return row, col
+    def _upper_tile_pair(BLOCK_M: tl.constexpr):
+        """Row and column indices of this program's tile pair (row tile <= column tile),
+        and whether it is off the diagonal, i.e. has a mirror image to write."""
+        # Pairs are numbered column by column: column c holds ids c(c+1)/2 ... c(c+1)/2 + c.
+        # Invert with a square root; fp32 may land one off near perfect squares, so
+        # nudge to the exact integer answer.
+        tile_id = tl.program_id(0)
+        tile_col = ((tl.sqrt(8.0 * tile_id.to(tl.float32) + 1.0) - 1.0) * 0.5).to(tl.int32)
+        tile_col = tl.where(tile_col * (tile_col + 1) // 2 > tile_id, tile_col - 1, tile_col)
+        tile_col = tl.where((tile_col + 1) * (tile_col + 2) // 2 <= tile_id, tile_col + 1, tile_col)
+        tile_row = tile_id - tile_col * (tile_col + 1) // 2
+        rows = tile_row * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tile_col * BLOCK_M + tl.arange(0, BLOCK_M)
+        return rows, cols, tile_row != tile_col
 
     @triton.jit
     def _load_tile(ptr, rows, cols, stride_row, stride_col, n_rows, n_cols):
@@ -265,12 +273,10 @@ if triton is not None:
         WITH_ROW_ABS_SUM: tl.constexpr, IEEE_FP32: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
-        tile_row, tile_col = _upper_tile_coords(tl.program_id(0))
+        rows, cols, off_diagonal = _upper_tile_pair(BLOCK_M)
         matrix = tl.program_id(1).to(tl.int64)
         x_ptr += matrix * stride_xb
         a_ptr += matrix * stride_ab
-        rows = tile_row * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = tile_col * BLOCK_M + tl.arange(0, BLOCK_M)
         inner = tl.arange(0, BLOCK_K)
         acc = tl.zeros((BLOCK_M, BLOCK_M), dtype=tl.float32)
         for k0 in range(0, k, BLOCK_K):
@@ -278,7 +284,6 @@ if triton is not None:
             # X^T tile read through swapped strides rather than transposed in registers
             right = _load_tile(x_ptr, k0 + inner, cols, stride_xk, stride_xm, k, m)
             acc = _mma(left, right, acc, IEEE_FP32)
-        off_diagonal = tile_row != tile_col
         _store_symmetric_tile(a_ptr, acc, rows, cols, stride_am, stride_an, m, off_diagonal)
         if WITH_ROW_ABS_SUM:
             # AOL row sums from the fp32 accumulator, in the same pass: a follow-up
@@ -304,13 +309,11 @@ if triton is not None:
         HAS_SCALE: tl.constexpr, IEEE_FP32: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
-        tile_row, tile_col = _upper_tile_coords(tl.program_id(0))
+        rows, cols, off_diagonal = _upper_tile_pair(BLOCK_M)
         matrix = tl.program_id(1).to(tl.int64)
         a_ptr += matrix * stride_ab
         b_ptr += matrix * stride_bb
         scale_ptr += matrix * stride_sb
-        rows = tile_row * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = tile_col * BLOCK_M + tl.arange(0, BLOCK_M)
         inner = tl.arange(0, BLOCK_K)
         if HAS_SCALE:
             row_scale = tl.load(scale_ptr + rows, mask=rows < m, other=0.0)
@@ -330,7 +333,7 @@ if triton is not None:
             # so that b*A and c*A@A see the same A.
             a_tile = (a_tile.to(tl.float32) * row_scale[:, None] * col_scale[None, :]).to(a_ptr.dtype.element_ty)
         acc = coef_c * acc + coef_b * a_tile.to(tl.float32)
-        _store_symmetric_tile(b_ptr, acc, rows, cols, stride_bm, stride_bn, m, tile_row != tile_col)
+        _store_symmetric_tile(b_ptr, acc, rows, cols, stride_bm, stride_bn, m, off_diagonal)
 
     @triton.autotune(configs=_rect_tile_configs(), key=["m", "n"])
     @triton.jit

@@ -5,6 +5,9 @@ table, AOL + a derived table) and every input set, prints
 - polar error ||f(G) - U V^T||_F / ||U V^T||_F against an fp64 SVD of G (mean over
   the matrices of the set),
 - min / median / max singular value of f(G) over the set,
+- a row "(AOL scaling, exact)" per input: the polar error of the exact polar factor
+  of diag(s) G (AOL's floor: it converges to that, not to polar(G)) and the singular
+  values of diag(s) G, the range an AOL table has to map to 1,
 - GEMM FLOPs per matrix, dense and with the symmetric kernels,
 - on CUDA only: ms per call and TFLOP/s of the Triton kernels and of the PyTorch
   twin, bf16, on a stack of --gpu-batch matrices (TFLOP/s counts the FLOPs each
@@ -69,15 +72,19 @@ def singular_values(O: torch.Tensor) -> torch.Tensor:
     return torch.linalg.eigvalsh(gram).clamp_min(0).sqrt().flatten()
 
 
-def aol_spectrum(stack: torch.Tensor) -> str:
-    """Singular values that the AOL table must handle (exact fp64 scaling of the bf16 input):
-    min / median / max over the set, plus the median of the per-matrix minima."""
+def aol_row(stack: torch.Tensor, reference: torch.Tensor) -> str:
+    """What any AOL table works with, computed exactly (fp64) from the bf16 input:
+    polar error column: the error of the exact polar factor of diag(s) G. AOL converges
+    to that, not to polar(G), so no table can do better (its floor).
+    singular value columns: min / median / max of diag(s) G, the range the table must
+    map to 1, plus the median of the per-matrix minima."""
     scaled = ns.aol_precondition(stack.to(torch.bfloat16).double())
+    floor = (polar_factor(scaled) - reference).norm(dim=(-2, -1)) / reference.norm(dim=(-2, -1))
     per_matrix = [singular_values(matrix) for matrix in scaled]
     everything = torch.cat(per_matrix)
     minima = torch.stack([sv.min() for sv in per_matrix])
-    return f"{everything.min().item():7.3f} {everything.median().item():7.3f} {everything.max().item():7.3f}" \
-           f"   (median per-matrix min {minima.median().item():.3g})"
+    return f"{floor.mean().item():9.4f} {everything.min().item():7.3f} {everything.median().item():7.3f} " \
+           f"{everything.max().item():7.3f}   (median per-matrix min {minima.median().item():.3g})"
 
 
 def emulated_bf16(G: torch.Tensor, method: str, coeffs) -> torch.Tensor:
@@ -132,7 +139,7 @@ def report_set(title, matrices, rows, gpu_batch, show_speed):
     for name, stack in matrices:
         stack = stack.float()
         reference = polar_factor(stack.to(torch.bfloat16))
-        print(f"{name:>10} {'(after AOL scaling)':<22} {'':>9} " + aol_spectrum(stack))
+        print(f"{name:>10} {'(AOL scaling, exact)':<22} " + aol_row(stack, reference))
         m, n = stack.shape[-2:]
         dense_pe5_flops += stack.shape[0] * ns.orthogonalize_flops(m, n, "polar_express", symmetric=False)
         for label, method, coeffs in rows:

@@ -38,6 +38,10 @@ def random_input(shape, transposed, seed=0):
     return X.mT if transposed else X
 
 
+def random_scale(shape):
+    return torch.rand(shape, generator=torch.Generator().manual_seed(1)) + 0.5
+
+
 def case_id(case):
     shape, transposed = case
     return "x".join(map(str, shape)) + ("-T" if transposed else "")
@@ -83,7 +87,7 @@ def test_gram_kernel_matches_torch(case):
 def test_sym_poly_kernel_matches_torch(case, scaled):
     X = random_input(*case)
     A = X @ X.mT
-    scale = torch.rand(A.shape[:-1], generator=torch.Generator().manual_seed(1)) + 0.5 if scaled else None
+    scale = random_scale(A.shape[:-1]) if scaled else None
     A_used = A * scale[..., :, None] * scale[..., None, :] if scaled else A
     expected = 0.75 * A_used - 0.3 * A_used @ A_used
     assert_close_relative(ns.sym_poly_triton(A, 0.75, -0.3, scale=scale), expected)
@@ -95,7 +99,7 @@ def test_sym_poly_kernel_matches_torch(case, scaled):
 def test_poly_apply_kernel_matches_torch(case, scaled):
     X = random_input(*case)
     B = X @ X.mT
-    row_scale = torch.rand(X.shape[:-1], generator=torch.Generator().manual_seed(2)) + 0.5 if scaled else None
+    row_scale = random_scale(X.shape[:-1]) if scaled else None
     X_used = X * row_scale[..., :, None] if scaled else X
     expected = 1.5 * X_used + B @ X_used
     assert_close_relative(ns.poly_apply_triton(B, X, 1.5, row_scale=row_scale), expected)
@@ -284,3 +288,13 @@ def test_flop_counts_match_the_published_figures():
     m, n = 5, 7
     assert ns.orthogonalize_flops(m, n, "newton_schulz", symmetric=False) == 5 * (4 * m * m * n + 2 * m**3)
     assert ns.orthogonalize_flops(m, n, "aol", symmetric=True, steps=2) == 2 * (3 * m * m * n + m**3)
+
+
+def test_section_imports_and_runs_without_triton():
+    # The section is pasted into train_gpt.py, which must run where triton is absent.
+    import subprocess
+    code = ("import sys; sys.modules['triton'] = None; import torch, ns_section as ns; "
+            "assert ns.triton is None; print(ns.orthogonalize(torch.randn(4, 6)).shape)")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "torch.Size([4, 6])" in result.stdout
