@@ -1,0 +1,70 @@
+"""The coefficient generator reproduces Polar Express and produces minimax quintics."""
+import os
+import sys
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # in case this module is the first to import ns_section
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO_ROOT)
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from scipy.optimize import linprog  # noqa: E402
+
+from bench.derive_aol_coeffs import (  # noqa: E402
+    check_minimax, derive_schedule, minimax_quintic, singular_value_interval,
+)
+
+# Published table (Amsel et al. 2025, as used by the public speedrun), kept literal
+# here rather than imported so the test does not depend on ns_section's copy.
+POLAR_EXPRESS_5 = [
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+]
+
+
+def test_reproduces_polar_express_5():
+    derived = derive_schedule(1e-3, 5, safety=1.02, cushion=0.02)
+    np.testing.assert_allclose(np.array(derived), np.array(POLAR_EXPRESS_5), rtol=1e-9)
+
+
+def test_ns_section_ships_the_published_table():
+    import ns_section as ns
+    np.testing.assert_allclose(np.array(ns.POLAR_EXPRESS_COEFFS), np.array(POLAR_EXPRESS_5), rtol=0)
+
+
+@pytest.mark.parametrize("lower, upper", [(0.02, 1.0), (0.3, 1.0), (0.05, 1.9), (0.9, 1.1)])
+def test_remez_matches_a_linear_program_on_a_grid(lower, upper):
+    # Independent check: minimize t subject to |1 - p(x_i)| <= t on a fine grid (an LP in
+    # a, b, c, t). The grid optimum can only be slightly below the continuous one.
+    coeffs, level = minimax_quintic(lower, upper)
+    check_minimax(coeffs, level, lower, upper)
+    x = np.linspace(lower, upper, 4001)
+    basis = np.stack([x, x**3, x**5], axis=1)
+    ones = np.ones((len(x), 1))
+    constraints = np.block([[basis, -ones], [-basis, -ones]])  # p - t <= 1 and -p - t <= -1
+    bounds = np.concatenate([np.ones(len(x)), -np.ones(len(x))])
+    lp = linprog(c=[0, 0, 0, 1], A_ub=constraints, b_ub=bounds, bounds=[(None, None)] * 4, method="highs")
+    assert lp.success
+    assert lp.x[3] <= level + 1e-9
+    assert lp.x[3] >= level * (1 - 1e-3)
+
+
+def test_schedule_maps_its_interval_into_the_predicted_band():
+    lower, steps = 0.02, 4
+    schedule = derive_schedule(lower, steps)
+    final_low, final_high = singular_value_interval(schedule, lower)[-1]
+    x = np.geomspace(lower, 1.0, 20001)
+    for a, b, c in schedule:
+        x = a * x + b * x**3 + c * x**5
+    assert final_low - 1e-12 <= x.min() and x.max() <= final_high + 1e-12
+    assert final_high - final_low < 0.05
+
+
+def test_rejects_a_bad_interval():
+    with pytest.raises(ValueError):
+        derive_schedule(0.0, 3)
+    with pytest.raises(ValueError):
+        derive_schedule(1.5, 3)
