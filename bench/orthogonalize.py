@@ -35,7 +35,7 @@ import torch
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
-import ns_section as ns  # noqa: E402
+import train_gpt as ns  # noqa: E402
 from bench.derive_aol_coeffs import derive_schedule  # noqa: E402
 
 # Coefficients run after AOL in public Turbo-Muon code (Dion / You Jiacheng).
@@ -177,7 +177,7 @@ def main():
     parser.add_argument("--max-per-name", type=int, default=4, help="momentum matrices used per sample name")
     parser.add_argument("--samples", default=DEFAULT_SAMPLES)
     parser.add_argument("--aol-lower", type=float, default=None,
-                        help="derive the AOL table for singular values in [L, 1] (default: ns_section.AOL_COEFFS)")
+                        help="derive the AOL table for singular values in [L, 1] (default: train_gpt.AOL_COEFFS)")
     parser.add_argument("--aol-steps", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()

@@ -15,7 +15,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import ns_section as ns  # noqa: E402
+import train_gpt as ns  # noqa: E402
 from bench.orthogonalize import DION_AOL_COEFFS, emulated_bf16, polar_factor  # noqa: E402
 
 QUOTED = [

@@ -1,20 +1,20 @@
-"""Tests of ns_section: kernels vs torch, Triton vs the PyTorch twin, AOL's bound, accuracy.
+"""The orthogonalization section of train_gpt.py: kernels vs torch, Triton vs the PyTorch
+twin, AOL's bound, accuracy.
 
-Triton runs on CPU through its interpreter, which must be switched on before triton
-kernels are defined, i.e. before ns_section is imported. The interpreter computes
-bf16 wrongly, so kernel comparisons use fp32 inputs.
+Triton runs on CPU through its interpreter, which must be switched on before triton kernels
+are defined, i.e. before train_gpt is imported (tests/conftest.py does it). The interpreter
+computes bf16 wrongly, so kernel comparisons use fp32 inputs.
 """
 import os
 import sys
 
-os.environ["TRITON_INTERPRET"] = "1"
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-import ns_section as ns  # noqa: E402
+import train_gpt as ns  # noqa: E402
 from bench.derive_aol_coeffs import derive_schedule, singular_value_interval  # noqa: E402
 
 needs_triton = pytest.mark.skipif(ns.triton is None, reason="triton is not installed")
@@ -293,7 +293,7 @@ def test_flop_counts_match_the_published_figures():
 def test_section_imports_and_runs_without_triton():
     # The section is pasted into train_gpt.py, which must run where triton is absent.
     import subprocess
-    code = ("import sys; sys.modules['triton'] = None; import torch, ns_section as ns; "
+    code = ("import sys; sys.modules['triton'] = None; import torch, train_gpt as ns; "
             "assert ns.triton is None; print(ns.orthogonalize(torch.randn(4, 6)).shape)")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
