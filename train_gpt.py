@@ -19,6 +19,7 @@ import ctypes
 import dataclasses
 import datetime
 import difflib
+import functools
 import glob
 import hashlib
 import math
@@ -1398,14 +1399,21 @@ def attention_masks(tokens, long_blocks, args, hw):
     return {"L": build(tokens, long_blocks, args.attn_block_size), "S": build(tokens, short_blocks, args.attn_block_size)}
 
 
+@functools.cache
+def fused_flex_attention():
+    """FlexAttention is only a fused kernel when compiled (uncompiled, it materializes every
+    score: 55 GB at the speedrun's 48k tokens); inside an already compiled block this inlines."""
+    from torch.nn.attention.flex_attention import flex_attention
+    return torch.compile(flex_attention, dynamic=False)
+
+
 def attend(q, k, v, mask, scale):
     """q, k, v: (B, T, H, D) -> (B, T, H, D) with the given mask (BlockMask or dense bool)."""
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     if isinstance(mask, torch.Tensor):
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     else:
-        from torch.nn.attention.flex_attention import flex_attention
-        y = flex_attention(q, k, v, block_mask=mask, scale=scale)
+        y = fused_flex_attention()(q, k, v, block_mask=mask, scale=scale)
     return y.transpose(1, 2)
 
 

@@ -1,0 +1,119 @@
+"""Optimizer formulas on small tensors: Adam, the Muon update, NorMuon, cautious weight decay, the
+schedules; and a short training run with each orthogonalizer lowers the loss."""
+
+import pytest
+import torch
+
+import train_gpt
+from conftest import TINY
+
+
+def test_adam_matches_torch_adam():
+    torch.manual_seed(0)
+    ours = torch.randn(5, 3)
+    ref = torch.nn.Parameter(ours.clone())
+    reference = torch.optim.Adam([ref], lr=0.01, betas=(0.8, 0.95), eps=1e-10)
+    m, v = torch.zeros_like(ours), torch.zeros_like(ours)
+    for step in range(1, 4):
+        grad = torch.randn(5, 3)
+        ref.grad = grad.clone()
+        reference.step()
+        train_gpt.adam_apply(ours, grad, m, v, 0.01, 0.8, 0.95, 1e-10, step)
+        torch.testing.assert_close(ours, ref.detach(), atol=1e-6, rtol=1e-6)
+
+
+def test_normuon_divides_columns_by_their_rms_and_keeps_the_norm():
+    torch.manual_seed(0)
+    update = torch.randn(2, 3, 5)
+    second = torch.full((2, 1, 5), 0.5)
+    beta = 0.9
+    out = train_gpt.normuon_normalize(update.clone(), second, beta)
+    for b in range(2):
+        expected = torch.empty(3, 5)
+        for j in range(5):
+            mean_sq = sum(update[b, i, j] ** 2 for i in range(3)) / 3
+            v = beta * 0.5 + (1 - beta) * mean_sq
+            assert second[b, 0, j].item() == pytest.approx(v.item(), rel=1e-6)
+            expected[:, j] = update[b, :, j] / (v + 1e-10) ** 0.5
+        expected *= update[b].norm() / expected.norm()
+        torch.testing.assert_close(out[b], expected, atol=1e-6, rtol=1e-5)
+        assert out[b].norm().item() == pytest.approx(update[b].norm().item(), rel=1e-6)
+
+
+def test_cautious_weight_decay_only_where_signs_agree():
+    params = torch.tensor([[1.0, -1.0, 2.0, -2.0]])
+    update = torch.tensor([[0.5, 0.5, -0.5, -0.5]])
+    lr, decay = 0.1, 0.2
+    plain = train_gpt.muon_apply(params, update, lr, decay, cautious=False)
+    cautious = train_gpt.muon_apply(params, update, lr, decay, cautious=True)
+    torch.testing.assert_close(plain, params * (1 - decay) - lr * update)
+    # entries 0 and 3 have update*param >= 0: decayed; entries 1 and 2 are not
+    torch.testing.assert_close(cautious, torch.tensor([[1.0 * 0.8 - 0.05, -1.0 - 0.05, 2.0 + 0.05, -2.0 * 0.8 + 0.05]]))
+    torch.testing.assert_close(train_gpt.muon_apply(params, update, lr, 0.0, cautious=True), params - lr * update)
+
+
+def test_schedules():
+    args = train_gpt.Hyperparameters(num_iterations=100, cooldown_frac=0.4, final_lr_frac=0.1,
+                                     muon_momentum_warmup_steps=10)
+    assert train_gpt.lr_factor_at(0, args) == 1.0
+    assert train_gpt.lr_factor_at(59, args) == 1.0
+    assert train_gpt.lr_factor_at(80, args) == pytest.approx(0.5 + 0.5 * 0.1)
+    assert train_gpt.lr_factor_at(100, args) == pytest.approx(0.1)
+    assert train_gpt.muon_momentum_at(0, args) == pytest.approx(0.85)
+    assert train_gpt.muon_momentum_at(5, args) == pytest.approx(0.90)
+    assert train_gpt.muon_momentum_at(50, args) == pytest.approx(0.95)
+
+
+def tiny_setup(**overrides):
+    args = train_gpt.Hyperparameters(**dict(TINY, **overrides))
+    train_gpt.check_config(args, 1, False)
+    hw = train_gpt.Hardware.detect(args)
+    torch.manual_seed(0)
+    model = train_gpt.GPT(args, hw)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    return args, hw, model
+
+
+def test_muon_step_matches_the_formula():
+    """One step at world size 1 for every Muon matrix: Nesterov momentum, orthogonalize the
+    (wide) update, scale by sqrt(max(1, rows/cols)) and the lr."""
+    args, hw, model = tiny_setup(muon_lr=0.03, muon_momentum_start=0.9)
+    specs = train_gpt.param_specs(model, args)
+    optimizer = train_gpt.ShardedMuonAdam(specs, args, train_gpt.Ranks(), hw)
+    muon = [s for s in specs if s.optimizer == "muon"]
+    before = {s.name: s.param.detach().clone() for s in muon}
+    grads = {s.name: torch.randn_like(s.param) for s in specs}
+    for s in specs:
+        s.param.grad = grads[s.name].clone()
+    optimizer.muon_momentum = 0.9
+    optimizer.step()
+    for s in muon:
+        g = grads[s.name]
+        nesterov = g.lerp(torch.zeros_like(g).lerp(g, 0.1), 0.9)  # momentum buffer starts at zero
+        rows, cols = s.param.shape[-2:]
+        expected = before[s.name] - 0.03 * max(1, rows / cols) ** 0.5 * train_gpt.orthogonalize(
+            nesterov, args.ns_method, "torch")
+        torch.testing.assert_close(s.param.detach(), expected, atol=1e-5, rtol=1e-5, msg=s.name)
+
+
+@pytest.mark.parametrize("method", train_gpt.NS_METHODS)
+def test_each_orthogonalizer_trains(make_shards, method):
+    train_glob, val_glob, _ = make_shards()
+    args = train_gpt.Hyperparameters(**dict(TINY, train_files=train_glob, val_files=val_glob, ns_method=method,
+                                            num_iterations=6, val_every=6))
+    hw = train_gpt.Hardware.detect(args)
+    result = train_gpt.train(args, train_gpt.Ranks(), hw, lambda *a, **k: None)
+    assert result.train_losses[-1] < result.train_losses[0] - 0.5
+    assert result.val_losses[-1][1] < result.val_losses[0][1] - 0.5
+
+
+@pytest.mark.parametrize("options", [dict(normuon=True), dict(weight_decay=0.1, cautious_wd=True)])
+def test_muon_options_train(make_shards, options):
+    train_glob, val_glob, _ = make_shards()
+    args = train_gpt.Hyperparameters(**dict(TINY, train_files=train_glob, val_files=val_glob, num_iterations=6,
+                                            val_every=6, **options))
+    hw = train_gpt.Hardware.detect(args)
+    result = train_gpt.train(args, train_gpt.Ranks(), hw, lambda *a, **k: None)
+    assert result.val_losses[-1][1] < result.val_losses[0][1] - 0.5
