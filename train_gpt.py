@@ -126,8 +126,6 @@ class Hyperparameters:
 PRESETS = {
     "speedrun": {},
     "cpu": dict(
-        train_files="data/sample/sample_train_*.bin",
-        val_files="data/sample/sample_val_*.bin",
         val_tokens=16 * 1024,
         train_seq_len=1024,
         val_seq_len=1024,
@@ -152,8 +150,9 @@ PRESETS = {
         dist_timeout_s=120,
     ),
 }
-# Where the speedrun's own data is missing, the cpu preset falls back to the embedded sample.
-FINEWEB_DEFAULTS = (Hyperparameters.train_files, Hyperparameters.val_files)
+# Where FineWeb has not been downloaded, the cpu preset trains on the embedded sample instead.
+FINEWEB_FILES = (Hyperparameters.train_files, Hyperparameters.val_files)
+SAMPLE_FILES = ("data/sample/sample_train_*.bin", "data/sample/sample_val_*.bin")
 
 NS_METHODS = ("aol", "polar_express", "newton_schulz")
 NS_BACKENDS = ("torch", "triton")
@@ -1623,13 +1622,19 @@ def read_shard_header(path):
     return count
 
 
-def load_shard(path, vocab_size):
+def load_shard(path, vocab_size, max_tokens=None, pin_memory=False):
+    """The shard's tokens (its first max_tokens, if given) as a uint16 tensor, checked against the
+    vocabulary. Pinned memory lets batches go to the GPU without stalling the host."""
     count = read_shard_header(path)
+    if max_tokens is not None:
+        count = min(count, max_tokens)
     tokens = np.fromfile(path, dtype="<u2", count=count, offset=SHARD_HEADER_INTS * 4)
     if count and int(tokens.max()) >= vocab_size:
         bad = int(np.argmax(tokens >= vocab_size))
         raise DataError(f"{path}: token {int(tokens[bad])} at position {bad} is >= vocab_size {vocab_size}")
-    return torch.from_numpy(tokens.astype(np.int32))
+    out = torch.empty(count, dtype=torch.uint16, pin_memory=pin_memory)
+    out.copy_(torch.from_numpy(tokens))
+    return out
 
 
 def find_shards(pattern, what):
@@ -1643,18 +1648,18 @@ def find_shards(pattern, what):
 
 
 class LoadedShard:
-    def __init__(self, path, vocab_size):
+    def __init__(self, path, vocab_size, pin_memory):
         self.path = path
-        self.tokens = load_shard(path, vocab_size)
+        self.tokens = load_shard(path, vocab_size, pin_memory=pin_memory)
         self.bos = torch.nonzero(self.tokens == BOS_TOKEN).flatten()
 
 
 class TrainBatches:
     """BOS-aligned training windows over a stream of shards, dealt out to ranks in global order."""
 
-    def __init__(self, files, seq_len, rank, world_size, vocab_size):
+    def __init__(self, files, seq_len, rank, world_size, vocab_size, pin_memory=False):
         self.files, self.seq_len, self.rank, self.world_size = list(files), seq_len, rank, world_size
-        self.vocab_size = vocab_size
+        self.vocab_size, self.pin_memory = vocab_size, pin_memory
         self._pool = ThreadPoolExecutor(max_workers=1)
         self._next_file = 0
         self._shard = self._load_next()  # synchronous: a bad first shard fails before training
@@ -1668,7 +1673,7 @@ class TrainBatches:
             return None
         path = self.files[self._next_file]
         self._next_file += 1
-        return LoadedShard(path, self.vocab_size)
+        return LoadedShard(path, self.vocab_size, self.pin_memory)
 
     def _submit_next(self):
         return self._pool.submit(self._load_next) if self._next_file < len(self.files) else None
@@ -1715,34 +1720,54 @@ class TrainBatches:
             self.windows_taken += 1
             if r == self.rank:
                 mine = window
-        mine = mine.to(device=device, dtype=torch.int64, non_blocking=True)
+        mine = mine.to(device, non_blocking=True).to(torch.int64)
         return mine[:-1], mine[1:]
 
 
-def load_val_tokens(files, count, vocab_size):
-    tokens = torch.cat([load_shard(f, vocab_size) for f in files])
-    if tokens.numel() < count + 1:
-        raise DataError(f"{files[0]}: validation shards hold {tokens.numel()} tokens, fewer than --val_tokens={count} + 1")
-    return tokens[:count + 1]
+def load_val_tokens(files, count, vocab_size, pin_memory=False):
+    """The first count+1 tokens of the validation shards (reading no more than that)."""
+    parts, need = [], count + 1
+    for f in files:
+        if need == 0:
+            break
+        parts.append(load_shard(f, vocab_size, max_tokens=need, pin_memory=pin_memory))
+        need -= parts[-1].numel()
+    if need:
+        held = count + 1 - need
+        raise DataError(f"{files[0]}: validation shards hold {held} tokens, fewer than --val_tokens={count} + 1")
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def val_batches(tokens, seq_len, rank, world_size, device):
     """Contiguous validation windows, rank r taking every world_size-th one."""
     for i in range(rank, (tokens.numel() - 1) // seq_len, world_size):
         start = i * seq_len
-        window = tokens[start:start + seq_len + 1].to(device=device, dtype=torch.int64, non_blocking=True)
+        window = tokens[start:start + seq_len + 1].to(device, non_blocking=True).to(torch.int64)
         yield window[:-1], window[1:]
 
 
 def resolve_data_files(args):
-    """The cpu preset uses the embedded sample when the FineWeb shards are absent."""
+    """The shard files to read, and a line for the log saying where they come from. The cpu
+    preset falls back to the embedded sample when the FineWeb shards are not there."""
     train, val = args.train_files, args.val_files
-    note = None
-    if args.preset == "cpu" and (train, val) == FINEWEB_DEFAULTS and not glob.glob(train):
-        train, val = PRESETS["cpu"]["train_files"], PRESETS["cpu"]["val_files"]
-    if args.preset == "cpu" and train == PRESETS["cpu"]["train_files"]:
-        note = "data: FineWeb shards not used; training on the embedded sample in data/sample/ (see data/sample/MANIFEST.json)"
+    if args.preset == "cpu" and (train, val) == FINEWEB_FILES and not (glob.glob(train) and glob.glob(val)):
+        train, val = SAMPLE_FILES
+        note = (f"data: no FineWeb shards at {FINEWEB_FILES[0]}; training on the embedded sample in data/sample/ "
+                "(CPython documentation text, see data/sample/MANIFEST.json)")
+    else:
+        note = f"data: training on {train}, validating on {val}"
     return find_shards(train, "training"), find_shards(val, "validation"), note
+
+
+def data_shortfall(files, args):
+    """A warning if the training shards cannot last num_iterations steps (None if they can).
+    Windows skip the tails of documents, so the need is a lower bound."""
+    have = sum(read_shard_header(f) for f in files)
+    need = args.num_iterations * args.micro_batches * args.train_seq_len
+    if have >= need:
+        return None
+    return (f"warning: the {len(files)} training shard(s) hold {have:,} tokens but {args.num_iterations} steps need at "
+            f"least {need:,}; training will stop early (`python data/cached_fineweb10B.py N` downloads more)")
 
 
 # -----------------------------------------------------------------------------------------------
@@ -1754,24 +1779,27 @@ def resolve_data_files(args):
 # the console and to the run's log, in the public speedrun's line formats.
 
 class RunLog:
-    """records/<YYYY-MM-DD>_<run_name>/<run_id>.txt, written by rank 0 only, never overwritten."""
+    """records/<YYYY-MM-DD>_<run_name>/<run_id>.txt, written by rank 0 only, never overwritten.
+    The file appears with the first line written, so a run that fails during set-up leaves none."""
 
     def __init__(self, args, ranks, echo=True):
         self.echo = echo and ranks.is_master
         self.path = None
         if ranks.is_master:
             folder = os.path.join(args.log_dir, f"{datetime.date.today().isoformat()}_{args.run_name}")
-            os.makedirs(folder, exist_ok=True)
-            self.run_id = str(uuid.uuid4())
-            self.path = os.path.join(folder, f"{self.run_id}.txt")
-            with open(self.path, "x"):  # 'x': fail rather than overwrite an existing log
-                pass
+            self.path = os.path.join(folder, f"{uuid.uuid4()}.txt")
+        self._created = False
 
     def __call__(self, text, console=True):
         if self.path is None:
             return
         if console and self.echo:
             print(text, flush=True)
+        if not self._created:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            with open(self.path, "x"):  # 'x': fail rather than overwrite an existing log
+                pass
+            self._created = True
         with open(self.path, "a") as f:
             f.write(text + "\n")
 
@@ -1844,8 +1872,13 @@ def train(args, ranks, hw, log, collectives=None, on_step=None):
     on_step(step, model, optimizer), if given, runs after each optimizer step (tests use it)."""
     torch.manual_seed(args.seed)
     train_files, val_files, data_note = resolve_data_files(args)
-    val_tokens = load_val_tokens(val_files, args.val_tokens, args.vocab_size)
-    batches = TrainBatches(train_files, args.train_seq_len, ranks.rank, ranks.world_size, args.vocab_size)
+    pin = hw.device.type == "cuda"
+    val_tokens = load_val_tokens(val_files, args.val_tokens, args.vocab_size, pin)
+    batches = TrainBatches(train_files, args.train_seq_len, ranks.rank, ranks.world_size, args.vocab_size, pin)
+    # One device scalar per window size, made once: a fresh host-to-device copy every step
+    # would make the host wait for the GPU.
+    window_sizes = {blocks: torch.tensor(blocks, device=hw.device)
+                    for blocks in {long_window_blocks_at(s, args) for s in range(args.num_iterations + 1)}}
 
     model = GPT(args, hw).to(hw.device)
     specs = param_specs(model, args)
@@ -1853,12 +1886,15 @@ def train(args, ranks, hw, log, collectives=None, on_step=None):
     if args.compile:
         model.compile_regions()
     log_header(log, args, ranks, hw, model, optimizer, data_note)
+    shortfall = data_shortfall(train_files, args)
+    if shortfall:
+        log(shortfall)
     accum_steps = args.micro_batches // ranks.world_size
 
     def train_step(step, next_batch):
         optimizer.lr_factor = lr_factor_at(step, args)
         optimizer.muon_momentum = muon_momentum_at(step, args)
-        window = torch.tensor(long_window_blocks_at(step, args), device=hw.device)
+        window = window_sizes[long_window_blocks_at(step, args)]
         loss_sum = torch.zeros((), device=hw.device)
         for micro in range(accum_steps):
             inputs, targets = next_batch()
@@ -1874,7 +1910,7 @@ def train(args, ranks, hw, log, collectives=None, on_step=None):
     @torch.no_grad()
     def validate(step):
         model.eval()
-        window = torch.tensor(long_window_blocks_at(step, args), device=hw.device)
+        window = window_sizes[long_window_blocks_at(step, args)]
         sum_and_count = torch.zeros(2, device=hw.device)  # ranks may hold one window more than others
         for inputs, targets in val_batches(val_tokens, args.val_seq_len, ranks.rank, ranks.world_size, hw.device):
             sum_and_count[0] += model(inputs, targets, window)
@@ -1899,8 +1935,8 @@ def train(args, ranks, hw, log, collectives=None, on_step=None):
             train_step(step * args.num_iterations // max(args.warmup_steps, 1), random_batch)
         with torch.no_grad():
             model.eval()
-            val_window = val_tokens[:args.val_seq_len + 1].to(hw.device, torch.int64)
-            model(val_window[:-1], val_window[1:], torch.tensor(1, device=hw.device))
+            val_window = val_tokens[:args.val_seq_len + 1].to(hw.device).to(torch.int64)
+            model(val_window[:-1], val_window[1:], window_sizes[long_window_blocks_at(0, args)])
             model.train()
         model.load_state_dict(initial_params)
         optimizer.reset_state()

@@ -95,14 +95,24 @@ def test_validation_windows_cover_val_tokens_once(make_shards):
     _, val_glob, (_, val) = make_shards(val_size=5_000)
     files = train_gpt.find_shards(val_glob, "validation")
     tokens = train_gpt.load_val_tokens(files, 4096, 50304)
-    assert torch.equal(tokens, torch.from_numpy(val[:4097]).int())
+    assert tokens.dtype == torch.uint16 and tokens.tolist() == val[:4097].tolist()
     seen = []
     for rank in range(2):
         for inputs, targets in train_gpt.val_batches(tokens, 512, rank, 2, torch.device("cpu")):
             assert torch.equal(targets[:-1], inputs[1:])
             seen.append(inputs)
     assert sum(x.numel() for x in seen) == 4096
-    assert torch.equal(torch.sort(torch.cat(seen)).values, torch.sort(tokens[:4096].long()).values)
+    assert torch.equal(torch.sort(torch.cat(seen)).values, torch.sort(tokens[:4096].to(torch.int64)).values)
+
+
+def test_validation_is_shared_by_uneven_ranks(make_shards):
+    _, val_glob, _ = make_shards(val_size=3_000)
+    tokens = train_gpt.load_val_tokens(train_gpt.find_shards(val_glob, "validation"), 2560, 50304)
+    per_rank = [list(train_gpt.val_batches(tokens, 512, r, 3, torch.device("cpu"))) for r in range(3)]
+    assert [len(batches) for batches in per_rank] == [2, 2, 1]  # 5 windows over 3 ranks
+    starts = sorted(int(torch.nonzero(torch.all(tokens[:2560].to(torch.int64).unfold(0, 512, 512) == x, dim=1))[0])
+                    for batches in per_rank for x, _ in batches)
+    assert starts == [0, 1, 2, 3, 4]
 
 
 def test_trainer_reader_agrees_with_data_writer(tmp_path):

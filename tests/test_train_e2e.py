@@ -109,5 +109,37 @@ def test_running_out_of_data_stops_cleanly(tmp_path, make_shards):
     assert proc.returncode == 3, proc.stderr[-2000:]
     text = next(log_dir.glob("*/*.txt")).read_text()
     assert "stopping early at step" in text and "training data ran out" in text
+    assert "warning: the 1 training shard(s) hold 1,000 tokens but 50 steps need at least 6,400" in text
     assert re.search(r"^step:\d+/50 val_loss:", text, re.M)  # validated where it stopped
     assert PEAK.search(text.splitlines()[-1])
+
+
+def test_missing_data_fails_before_any_log_is_written(tmp_path):
+    log_dir = tmp_path / "records"
+    proc = run_script(tmp_path, *tiny_argv(train_files=str(tmp_path / "none_*.bin"), log_dir=log_dir))
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1].startswith("train_gpt.py: error: ")
+    assert "no training shards match" in proc.stderr
+    assert not log_dir.exists() or not any(log_dir.rglob("*.txt"))
+
+
+def test_cpu_preset_falls_back_to_the_sample_only_without_fineweb(tmp_path, make_shards):
+    args = train_gpt.parse_config(["--preset", "cpu"], {}, 1, False)
+    here = os.getcwd()
+    os.chdir(tmp_path)  # no data/fineweb10B here
+    try:
+        (tmp_path / "data" / "sample").mkdir(parents=True)
+        train_glob, val_glob, _ = make_shards(prefix="sample")
+        for f in Path(train_glob).parent.glob("*.bin"):
+            f.rename(tmp_path / "data" / "sample" / f.name)
+        train, val, note = train_gpt.resolve_data_files(args)
+        assert train == ["data/sample/sample_train_000001.bin"] and "embedded sample" in note
+        # with FineWeb present, the cpu preset uses it
+        (tmp_path / "data" / "fineweb10B").mkdir()
+        for name in ("fineweb_train_000001.bin", "fineweb_val_000000.bin"):
+            (tmp_path / "data" / "fineweb10B" / name).write_bytes(
+                (tmp_path / "data" / "sample" / "sample_val_000000.bin").read_bytes())
+        train, val, note = train_gpt.resolve_data_files(args)
+        assert train == ["data/fineweb10B/fineweb_train_000001.bin"] and "embedded sample" not in note
+    finally:
+        os.chdir(here)
