@@ -314,15 +314,15 @@ class Hardware:
     @staticmethod
     def detect(args):
         use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-        if use_cuda:
-            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-            device = torch.device("cuda", local_rank)
-            fp8_ok = torch.cuda.get_device_capability(device) >= (8, 9)  # Ada/Hopper and newer
-            return Hardware(device, torch.bfloat16, "flex", args.fp8_head and fp8_ok,
-                            "triton" if args.ns_backend == "auto" and triton is not None else
-                            ("torch" if args.ns_backend == "auto" else args.ns_backend), "nccl")
-        backend = "torch" if args.ns_backend == "auto" else args.ns_backend
-        return Hardware(torch.device("cpu"), torch.float32, "sdpa", False, backend, "gloo")
+        if args.ns_backend != "auto":
+            ns_backend = args.ns_backend
+        else:
+            ns_backend = "triton" if use_cuda and triton is not None else "torch"
+        if not use_cuda:
+            return Hardware(torch.device("cpu"), torch.float32, "sdpa", False, ns_backend, "gloo")
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        fp8_supported = torch.cuda.get_device_capability(device) >= (8, 9)  # Ada, Hopper and newer
+        return Hardware(device, torch.bfloat16, "flex", args.fp8_head and fp8_supported, ns_backend, "nccl")
 
 
 def keep_freed_memory_on_cpu():
@@ -475,11 +475,22 @@ POLAR_EXPRESS_COEFFS = [
     (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
 ]
 
-# AOL does the work of Polar Express's first step, so the public Turbo-Muon code
-# runs Polar Express steps 2-5 after it. A table derived for the post-AOL spectrum
-# (bench/derive_aol_coeffs.py) replaces this one; callers read the module attribute
-# at call time, so assigning a new list here swaps it everywhere.
-AOL_COEFFS = list(POLAR_EXPRESS_COEFFS[1:])
+# Four steps after AOL, derived for the post-AOL spectrum rather than reused from a table made
+# for Frobenius normalization (public Turbo-Muon code runs Polar Express steps 2-5, or the Dion
+# set). Made by `python bench/derive_aol_coeffs.py --from-samples bench/momentum_samples.pt
+# --steps 4`: Polar Express's greedy minimax composition (safety 1.02, cushion 0.02) for
+# singular values in [l, 1], with l = 3.2e-3, the 20% quantile of the singular values of real
+# momentum matrices after AOL scaling, chosen because it minimizes the RMS of p(sigma) - 1 over
+# them. In bench/orthogonalize.py on those matrices its polar error is 0.33 against 0.44 for
+# either public set, but 1.5x that of Polar Express 5 (0.21), at 56% of PE5's GEMM FLOPs.
+# Callers read the module attribute at call time, so assigning a new list swaps it everywhere.
+AOL_COEFFS_LOWER_BOUND = 0.003208792991380404  # the l the table was derived for
+AOL_COEFFS = [
+    (8.08229560981475, -22.278600498750507, 15.73420639598734),
+    (3.9333696167531866, -2.782239132657276, 0.504229107778894),
+    (3.4349707799944853, -2.473844438220363, 0.47601726277260065),
+    (2.505408864283877, -1.8472648256404343, 0.43826246743893166),
+]
 
 # Floors for the first-step scale. AOL's floor only guards all-zero rows (any row
 # sum below it gets a smaller scale, which keeps the Schur bound); it is tiny so
@@ -987,6 +998,10 @@ class MuonBucket(CommUnit):
         self.grad_stack = torch.zeros(padded, rows, cols, device=device)
         self.param_stack = torch.zeros(padded, rows, cols, device=device) if world_size > 1 else None
 
+    def stack_grads(self):
+        # one multi-tensor copy rather than a kernel launch per matrix
+        torch._foreach_copy_(list(self.grad_stack[:len(self.slots)]), [s.view(s.spec.param.grad) for s in self.slots])
+
 
 class AdamShard(CommUnit):
     """A large Adam parameter whose rows are split over ranks."""
@@ -1132,8 +1147,7 @@ class ShardedMuonAdam:
         if self.world_size == 1:
             return
         if isinstance(unit, MuonBucket):
-            for i, slot in enumerate(unit.slots):
-                unit.grad_stack[i].copy_(slot.view(slot.spec.param.grad))
+            unit.stack_grads()
             group = next(g for g in self.muon_groups if unit in g["buckets"])
             unit.work = self.comm.reduce_scatter(self._local_grads(group, unit), unit.grad_stack)
         elif isinstance(unit, AdamShard):
@@ -1181,8 +1195,7 @@ class ShardedMuonAdam:
         buckets = group["buckets"]
         if W == 1:
             for b in buckets:
-                for i, slot in enumerate(b.slots):
-                    b.grad_stack[i].copy_(slot.view(slot.spec.param.grad))
+                b.stack_grads()
             grads = torch.cat([b.grad_stack for b in buckets]) if len(buckets) > 1 else buckets[0].grad_stack
         else:
             for b in buckets:
@@ -1202,8 +1215,7 @@ class ShardedMuonAdam:
         lr = args.muon_lr * self.lr_factor
         new_params = muon_apply(params, update, lr * lr_scale[:, None, None], lr * args.weight_decay, args.cautious_wd)
         if W == 1:
-            for slot, value in zip(mine, new_params):
-                slot.view(slot.spec.param).copy_(value)
+            torch._foreach_copy_([slot.view(slot.spec.param) for slot in mine], list(new_params))
             return []
         finishes = []
         start = 0
@@ -1214,8 +1226,8 @@ class ShardedMuonAdam:
 
             def finish(b=b, work=work):
                 self.comm.wait(work)
-                for i, slot in enumerate(b.slots):
-                    slot.view(slot.spec.param).copy_(b.param_stack[i])
+                torch._foreach_copy_([slot.view(slot.spec.param) for slot in b.slots],
+                                     list(b.param_stack[:len(b.slots)]))
             finishes.append(finish)
         return finishes
 

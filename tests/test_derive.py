@@ -67,3 +67,15 @@ def test_rejects_a_bad_interval():
         derive_schedule(0.0, 3)
     with pytest.raises(ValueError):
         derive_schedule(1.5, 3)
+
+
+def test_committed_aol_table_comes_from_the_generator_and_the_samples():
+    """train_gpt.AOL_COEFFS is what `derive_aol_coeffs.py --from-samples` makes of the committed
+    momentum samples (the lower bound picked from their post-AOL spectrum)."""
+    import train_gpt
+    from bench.derive_aol_coeffs import lower_bound_from_spectrum, post_aol_singular_values
+    samples = os.path.join(REPO_ROOT, "bench", "momentum_samples.pt")
+    spectra = np.concatenate([sv.ravel() for sv in post_aol_singular_values(samples).values()])
+    _, lower = lower_bound_from_spectrum(spectra, 4)
+    assert lower == pytest.approx(train_gpt.AOL_COEFFS_LOWER_BOUND, rel=1e-6)
+    np.testing.assert_allclose(np.array(derive_schedule(lower, 4)), np.array(train_gpt.AOL_COEFFS), rtol=1e-6)

@@ -117,3 +117,17 @@ def test_muon_options_train(make_shards, options):
     hw = train_gpt.Hardware.detect(args)
     result = train_gpt.train(args, train_gpt.Ranks(), hw, lambda *a, **k: None)
     assert result.val_losses[-1][1] < result.val_losses[0][1] - 0.5
+
+
+@pytest.mark.skipif(train_gpt.triton is None, reason="triton is not installed")
+def test_triton_backend_trains_like_the_torch_twin(make_shards):
+    """The optimizer with the Triton kernels (interpreter, fp32) follows the PyTorch twin."""
+    train_glob, val_glob, _ = make_shards()
+    losses = {}
+    for backend in ("torch", "triton"):
+        args = train_gpt.Hyperparameters(**dict(TINY, train_files=train_glob, val_files=val_glob, ns_method="aol",
+                                                ns_backend=backend, num_iterations=3, val_every=0))
+        hw = train_gpt.Hardware.detect(args)
+        assert hw.ns_backend == backend
+        losses[backend] = train_gpt.train(args, train_gpt.Ranks(), hw, lambda *a, **k: None).train_losses
+    assert losses["triton"] == pytest.approx(losses["torch"], rel=1e-5)
