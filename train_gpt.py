@@ -106,7 +106,7 @@ class Hyperparameters:
     muon_momentum_end: float = 0.95
     muon_momentum_warmup_steps: int = 300
     muon_bucket_matrices: int = 8       # matrices per gradient reduce-scatter (rounded up to a multiple of world size)
-    ns_method: str = "polar_express"    # aol, polar_express or newton_schulz
+    ns_method: str = "aol"              # aol (Turbo-Muon), polar_express or newton_schulz
     ns_backend: str = "auto"            # triton on CUDA, torch elsewhere; or force one
     normuon: bool = False               # NorMuon variance normalization after orthogonalization
     normuon_beta2: float = 0.95
