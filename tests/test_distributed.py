@@ -47,7 +47,22 @@ def train_worker(rank, world_size, port, argv, out_path, overlap):
     hw = train_gpt.Hardware.detect(args)
     train_gpt.init_process_group(args, ranks, hw)
     comm = train_gpt.Collectives(world_size)
-    record = dict(rank_spread=[], sent_bytes=[], calls=[])
+    record = dict(rank_spread=[], sent_bytes=[], calls=[], launches=[])
+    launch, step = train_gpt.ShardedMuonAdam._launch, train_gpt.ShardedMuonAdam.step
+    in_step = [False]
+
+    def recording_launch(self, unit):
+        # launched from a backward hook or from step(), and how many parameters of other units
+        # still waited for their final gradient at that moment
+        record["launches"].append(("step" if in_step[0] else "hook", sum(len(u.pending) for u in self.units)))
+        launch(self, unit)
+
+    def recording_step(self):
+        in_step[0] = True
+        step(self)
+        in_step[0] = False
+    # a spawned process: nothing else sees these patches
+    train_gpt.ShardedMuonAdam._launch, train_gpt.ShardedMuonAdam.step = recording_launch, recording_step
 
     def on_step(step, model, optimizer):
         flat = torch.cat([p.detach().flatten() for p in model.parameters()])
@@ -197,6 +212,15 @@ def test_traffic_equals_the_ring_lower_bound(equivalence_runs, world_size):
     assert per_step[0] == pytest.approx(bound + padding, abs=64)
     assert run["padding_bytes"] > 0  # the uneven shapes were exercised
     assert padding < 0.05 * bound
+
+
+def test_reduce_scatters_start_during_backward(equivalence_runs):
+    """With overlap, units launch from backward hooks while other gradients are still being
+    computed; without it, everything launches after backward."""
+    with_hooks = equivalence_runs[2]["launches"]
+    assert with_hooks[0][0] == "hook" and with_hooks[0][1] > 0  # the first one long before backward ends
+    assert all(where == "hook" for where, _ in with_hooks)
+    assert all(where == "step" for where, _ in equivalence_runs["2_no_overlap"]["launches"])
 
 
 def test_optimizer_state_is_sharded(equivalence_runs):
