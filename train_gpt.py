@@ -83,6 +83,7 @@ class Hyperparameters:
     attention_free_layers: str = "7"    # comma-separated block indices that have only an MLP
     num_value_embeds: int = 3           # value embeddings added in blocks 0,1,2 and again in the last 3
     attn_scale: float = 0.12
+    rotary_base: float = 1024.0         # rotary frequencies (1/base)^linspace(0, 1)
     logit_softcap: float = 15.0         # logits = 2*cap*sigmoid(z/(cap/2)) = 30*sigmoid(z/7.5)
     attn_block_size: int = 128          # FlexAttention block; windows are whole blocks
     window_pattern: str = "LSSSLSSLSSSL"  # per block: L long window, S short window (= long/2)
@@ -101,6 +102,7 @@ class Hyperparameters:
     embed_lr_mult: float = 75.0         # embeddings train at adam_lr * 75
     head_lr_mult: float = 1.0
     scalar_lr_mult: float = 5.0
+    adam_shard_min_numel: int = 65536   # Adam parameters at least this big are row-sharded; smaller ones all-reduced
     muon_lr: float = 0.05
     muon_momentum_start: float = 0.85
     muon_momentum_end: float = 0.95
@@ -126,6 +128,7 @@ class Hyperparameters:
 PRESETS = {
     "speedrun": {},
     "cpu": dict(
+        target_val_loss=6.0,            # a smoke-test bar, not a record: 120 steps reach ~5.76
         val_tokens=16 * 1024,
         train_seq_len=1024,
         val_seq_len=1024,
@@ -151,8 +154,10 @@ PRESETS = {
     ),
 }
 # Where FineWeb has not been downloaded, the cpu preset trains on the embedded sample instead.
+# Both default locations are inside this repository, wherever the script is started from.
 FINEWEB_FILES = (Hyperparameters.train_files, Hyperparameters.val_files)
 SAMPLE_FILES = ("data/sample/sample_train_*.bin", "data/sample/sample_val_*.bin")
+REPO_DIR = os.path.dirname(os.path.abspath(__file__))
 
 NS_METHODS = ("aol", "polar_express", "newton_schulz")
 NS_BACKENDS = ("torch", "triton")
@@ -231,6 +236,16 @@ def _layer_list(text):
     return [int(x) for x in text.split(",") if x.strip()]
 
 
+def check_log_dir(args):
+    """The run's log folder must be creatable and writable (checked before any work starts)."""
+    folder = args.log_dir
+    while folder and not os.path.exists(folder):  # the nearest existing ancestor decides
+        folder = os.path.dirname(folder)
+    folder = folder or "."
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK | os.X_OK):
+        raise ConfigError(f"--log_dir={args.log_dir!r}: {folder!r} is not a writable directory")
+
+
 def check_config(args, world_size, cuda_available):
     """Reject values that cannot work, with one line naming the field and the problem."""
     def need(ok, message):
@@ -245,12 +260,14 @@ def check_config(args, world_size, cuda_available):
     for name in ["val_every", "warmup_steps", "threads", "num_value_embeds", "muon_momentum_warmup_steps",
                  "weight_decay", "adam_eps"]:
         need(getattr(args, name) >= 0, f"--{name}={getattr(args, name)}: must not be negative")
-    for name in ["cooldown_frac", "final_lr_frac", "adam_beta1", "adam_beta2", "muon_momentum_start",
-                 "muon_momentum_end", "normuon_beta2"]:
+    for name in ["cooldown_frac", "final_lr_frac"]:
         value = getattr(args, name)
         need(0.0 <= value <= 1.0, f"--{name}={value}: must lie in [0, 1]")
+    for name in ["adam_beta1", "adam_beta2", "muon_momentum_start", "muon_momentum_end", "normuon_beta2"]:
+        value = getattr(args, name)
+        need(0.0 <= value < 1.0, f"--{name}={value}: must lie in [0, 1)")
     for name in ["adam_lr", "muon_lr", "embed_lr_mult", "head_lr_mult", "scalar_lr_mult", "attn_scale",
-                 "logit_softcap"]:
+                 "logit_softcap", "rotary_base", "adam_shard_min_numel"]:
         need(getattr(args, name) > 0, f"--{name}={getattr(args, name)}: must be positive")
 
     need(all(c.isalnum() or c in "._-" for c in args.run_name) and args.run_name not in ("", ".", ".."),
@@ -283,6 +300,11 @@ def check_config(args, world_size, cuda_available):
          f"--attention_free_layers={args.attention_free_layers!r}: indices must lie in [0, {args.num_layers})")
     need(2 * args.num_value_embeds <= args.num_layers,
          f"--num_value_embeds={args.num_value_embeds}: needs at least twice as many layers ({args.num_layers})")
+    n_ve = args.num_value_embeds
+    value_embed_layers = set(range(n_ve)) | set(range(args.num_layers - n_ve, args.num_layers))
+    need(not value_embed_layers & set(free),
+         f"--attention_free_layers={args.attention_free_layers!r}: blocks {sorted(value_embed_layers & set(free))} "
+         f"take value embeddings (num_value_embeds={n_ve}) and need attention")
     need(args.ns_method in NS_METHODS, f"--ns_method={args.ns_method!r}: expected one of {', '.join(NS_METHODS)}")
     need(args.ns_backend in ("auto",) + NS_BACKENDS,
          f"--ns_backend={args.ns_backend!r}: expected auto, {', '.join(NS_BACKENDS)}")
@@ -352,8 +374,15 @@ class Ranks:
 
     @staticmethod
     def from_env(environ):
-        return Ranks(int(environ.get("RANK", 0)), int(environ.get("LOCAL_RANK", 0)),
-                     int(environ.get("WORLD_SIZE", 1)), int(environ.get("LOCAL_WORLD_SIZE", 1)))
+        """torchrun's variables (defaults: a single process); a malformed one is a ConfigError."""
+        values = {}
+        for name, default in (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_WORLD_SIZE", 1)):
+            text = environ.get(name, str(default))
+            least = 1 if name.endswith("WORLD_SIZE") else 0
+            if not text.isdigit() or int(text) < least:
+                raise ConfigError(f"{name}={text!r} in the environment: expected an integer >= {least}")
+            values[name] = int(text)
+        return Ranks(values["RANK"], values["LOCAL_RANK"], values["WORLD_SIZE"], values["LOCAL_WORLD_SIZE"])
 
 
 class RankMismatch(RuntimeError):
@@ -439,7 +468,8 @@ class Collectives:
 
     def wait(self, work):
         """Block until an async collective is done. The Work object's wait() serves every backend
-        (gloo has no futures for reduce_scatter); on CUDA it only orders the current stream."""
+        (gloo has no futures for reduce_scatter). On CUDA it only makes the current stream wait, so
+        wait_seconds measures host blocking on gloo (CPU) only."""
         start = time.perf_counter()
         work.wait()
         self.wait_seconds += time.perf_counter() - start
@@ -456,7 +486,8 @@ class Collectives:
 # guarantees ||X||_2 <= 1 without a Frobenius normalization, so one step is saved),
 # "polar_express" and "newton_schulz" (Frobenius normalization, 5 steps each).
 # AOL iterates on diag(s) G and so converges to its polar factor, not exactly G's:
-# 0.3% relative on Gaussian 768x3072, more when row norms differ a lot.
+# 0.3% relative on Gaussian 768x3072, but 13-19% on the captured momentum matrices,
+# whose row norms differ a lot (bench/orthogonalize.py prints this floor).
 # Backends: "torch" is the readable twin and the reference; "triton" runs the same
 # algorithm with kernels that compute only half of every symmetric product.
 # The Frobenius norm is read from the first Gram's diagonal (||X||_F^2 = tr XX^T),
@@ -482,7 +513,8 @@ POLAR_EXPRESS_COEFFS = [
 # singular values in [l, 1], with l = 3.2e-3, the 20% quantile of the singular values of real
 # momentum matrices after AOL scaling, chosen because it minimizes the RMS of p(sigma) - 1 over
 # them. In bench/orthogonalize.py on those matrices its polar error is 0.33 against 0.44 for
-# either public set, but 1.5x that of Polar Express 5 (0.21), at 56% of PE5's GEMM FLOPs.
+# either public set, but 1.5x that of Polar Express 5 (0.21), at 58% of PE5's dense GEMM FLOPs
+# for 768x3072 (80% of PE5 run on the same symmetric kernels).
 # Callers read the module attribute at call time, so assigning a new list swaps it everywhere.
 AOL_COEFFS_LOWER_BOUND = 0.003208792991380404  # the l the table was derived for
 AOL_COEFFS = [
@@ -1068,12 +1100,18 @@ class ShardedMuonAdam:
             owned = sum(b.per_rank for b in buckets)
             group = dict(shape=shape, buckets=buckets,
                          momentum=torch.zeros(owned, *shape, device=device),
-                         second_moment=torch.zeros(owned, 1, shape[1], device=device) if args.normuon else None)
+                         second_moment=torch.zeros(owned, 1, shape[1], device=device) if args.normuon else None,
+                         param_buffer=torch.zeros(owned, *shape, device=device))  # zero rows stay zero: padding
+            group["owned"] = self._owned_slots(group)
+            group["real"] = [i for i, slot in enumerate(group["owned"]) if slot is not None]
+            # Made once: a host-to-device copy each step would make the host wait for the GPU.
+            group["lr_scale"] = torch.tensor([slot.lr_scale if slot else 0.0 for slot in group["owned"]],
+                                             device=device)[:, None, None]
             self.muon_groups.append(group)
             units += buckets
 
         adam_specs = [s for s in specs if s.optimizer == "adam"]
-        big = [s for s in adam_specs if s.param.ndim >= 2 and s.param.numel() >= 65536]
+        big = [s for s in adam_specs if s.param.ndim >= 2 and s.param.numel() >= args.adam_shard_min_numel]
         small = [s for s in adam_specs if s not in big]
         self.adam_shards = [AdamShard(s, W, device) for s in big]
         for shard in self.adam_shards:
@@ -1114,6 +1152,17 @@ class ShardedMuonAdam:
 
     def state_bytes(self):
         return sum(t.numel() * t.element_size() for t in self.state_tensors())
+
+    def padding_bytes(self):
+        """Bytes of the zero matrices and rows that fill stacks up to a multiple of the world size."""
+        total = 0
+        for group in self.muon_groups:
+            for b in group["buckets"]:
+                total += (b.grad_stack.shape[0] - len(b.slots)) * b.grad_stack[0].numel() * b.grad_stack.element_size()
+        for shard in self.adam_shards:
+            p = shard.spec.param
+            total += (shard.padded_rows - p.shape[0]) * p[0].numel() * p.element_size()
+        return total
 
     def reset_state(self):
         for t in self.state_tensors():
@@ -1201,7 +1250,7 @@ class ShardedMuonAdam:
             for b in buckets:
                 self.comm.wait(b.work)
             grads = group["local_grad"]
-        mine = self._owned_slots(group)
+        mine = group["owned"]
         momentum = group["momentum"]
         mu = self.muon_momentum
         momentum.lerp_(grads, 1 - mu)
@@ -1209,11 +1258,10 @@ class ShardedMuonAdam:
         update = orthogonalize(update.to(self.hw.compute_dtype), args.ns_method, self.hw.ns_backend).float()
         if group["second_moment"] is not None:
             update = normuon_normalize(update, group["second_moment"], args.normuon_beta2)
-        params = torch.stack([slot.view(slot.spec.param) if slot else torch.zeros(group["shape"], device=update.device)
-                              for slot in mine])
-        lr_scale = torch.tensor([slot.lr_scale if slot else 0.0 for slot in mine], device=update.device)
+        params = group["param_buffer"]
+        torch._foreach_copy_([params[i] for i in group["real"]], [mine[i].view(mine[i].spec.param) for i in group["real"]])
         lr = args.muon_lr * self.lr_factor
-        new_params = muon_apply(params, update, lr * lr_scale[:, None, None], lr * args.weight_decay, args.cautious_wd)
+        new_params = muon_apply(params, update, lr * group["lr_scale"], lr * args.weight_decay, args.cautious_wd)
         if W == 1:
             torch._foreach_copy_([slot.view(slot.spec.param) for slot in mine], list(new_params))
             return []
@@ -1342,10 +1390,10 @@ def rms_norm(x):
 class Rotary(nn.Module):
     """Rotary embedding on half of each head: head_dim/4 frequencies, the other quarter zero."""
 
-    def __init__(self, head_dim, max_seq_len):
+    def __init__(self, head_dim, max_seq_len, base=1024.0):
         super().__init__()
         quarter = head_dim // 4
-        freqs = (1 / 1024) ** torch.linspace(0, 1, quarter, dtype=torch.float32)
+        freqs = (1 / base) ** torch.linspace(0, 1, quarter, dtype=torch.float32)
         freqs = torch.cat([freqs, freqs.new_zeros(quarter)])
         theta = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), freqs)
         self.register_buffer("cos", theta.cos(), persistent=False)
@@ -1446,8 +1494,8 @@ class CausalSelfAttention(nn.Module):
         q, k, v = F.linear(x, w[:3].flatten(0, 1)).view(B, T, 3, self.num_heads, self.head_dim).unbind(2)
         q, k = self.rotary(rms_norm(q)), self.rotary(rms_norm(k))
         if value_embed is not None:
-            mix = self.value_mix.to(x.dtype)
-            v = mix[0] * v + mix[1] * value_embed.view_as(v)
+            # fp32 scalars times bf16 tensors stay bf16, computed with the scalars' full precision
+            v = self.value_mix[0] * v + self.value_mix[1] * value_embed.view_as(v)
         y = attend(q, k, v, mask, self.scale)
         y = y * torch.sigmoid(F.linear(x[..., :12], self.gate_w.to(x.dtype))).unsqueeze(-1)
         return F.linear(y.reshape(B, T, -1), w[3])
@@ -1475,8 +1523,7 @@ class Block(nn.Module):
         self.window = args.window_pattern[layer]
 
     def forward(self, x, x0, value_embed, masks):
-        mix = self.residual_mix.to(x.dtype)
-        x = mix[0] * x + mix[1] * x0
+        x = self.residual_mix[0] * x + self.residual_mix[1] * x0
         if self.attn is not None:
             x = x + self.attn(rms_norm(x), value_embed, masks[self.window])
         return x + self.mlp(rms_norm(x))
@@ -1515,7 +1562,7 @@ class GPT(nn.Module):
         super().__init__()
         self.args, self.hw = args, hw
         V, D, L = args.vocab_size, args.model_dim, args.num_layers
-        self.rotary = Rotary(args.head_dim, max(args.train_seq_len, args.val_seq_len))
+        self.rotary = Rotary(args.head_dim, max(args.train_seq_len, args.val_seq_len), args.rotary_base)
         self.embed = nn.Embedding(V, D)
         self.value_embeds = nn.ModuleList(nn.Embedding(V, D) for _ in range(args.num_value_embeds))
         n_ve = args.num_value_embeds
@@ -1534,13 +1581,20 @@ class GPT(nn.Module):
         """(T,) tokens -> (T, vocab_size) fp32 soft-capped logits."""
         return self.head(self.trunk(tokens, long_window_blocks))
 
-    def compile_regions(self):
+    def compile_regions(self, backend="inductor"):
         """Compile each block and the head as separate graphs rather than the whole model as one:
         backward then finishes a block's gradients as soon as that block is done, which is what
         lets the optimizer's hooks start communicating while earlier blocks are still in backward."""
+        # The blocks share one compiled function with a graph per variant (attention or not, value
+        # embedding or not, long or short window, block 0 where x is x0, training or validation):
+        # about 12 for the speedrun, more than dynamo's default of 8 before it falls back to eager.
+        import torch._dynamo
+        config = torch._dynamo.config
+        name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # older torch
+        setattr(config, name, max(getattr(config, name), 64))
         for block in self.blocks:
-            block.compile(dynamic=False)
-        self.head = torch.compile(self.head, dynamic=False)
+            block.compile(dynamic=False, backend=backend)
+        self.head = torch.compile(self.head, dynamic=False, backend=backend)
 
     def trunk(self, tokens, long_window_blocks):
         masks = attention_masks(tokens, long_window_blocks, self.args, self.hw)
@@ -1550,7 +1604,7 @@ class GPT(nn.Module):
         half = len(self.blocks) // 2
         for i, block in enumerate(self.blocks):
             if i >= len(self.blocks) - half:
-                x = x + self.skip_weights[len(self.blocks) - 1 - i].to(x.dtype) * skips.pop()
+                x = x + self.skip_weights[len(self.blocks) - 1 - i] * skips.pop()
             ve_index = self.value_embed_of_layer[i]
             x = block(x, x0, value_embeds[ve_index] if ve_index is not None else None, masks)
             if i < half:
@@ -1560,7 +1614,7 @@ class GPT(nn.Module):
     def head(self, x, targets=None):
         """Final norm, the (optionally FP8) projection, the soft cap, and the loss if targets given."""
         x = rms_norm(x).flatten(0, 1)
-        if self.hw.fp8_head:
+        if self.hw.fp8_head and self.training:  # validation measures the model in full bf16
             logits = FP8Matmul.apply(x, self.lm_head_w)
         else:
             logits = F.linear(x, self.lm_head_w.to(x.dtype))
@@ -1641,12 +1695,26 @@ def load_shard(path, vocab_size, max_tokens=None, pin_memory=False):
     if max_tokens is not None:
         count = min(count, max_tokens)
     tokens = np.fromfile(path, dtype="<u2", count=count, offset=SHARD_HEADER_INTS * 4)
-    if count and int(tokens.max()) >= vocab_size:
-        bad = int(np.argmax(tokens >= vocab_size))
-        raise DataError(f"{path}: token {int(tokens[bad])} at position {bad} is >= vocab_size {vocab_size}")
+    _check_token_range(path, tokens, vocab_size)
     out = torch.empty(count, dtype=torch.uint16, pin_memory=pin_memory)
     out.copy_(torch.from_numpy(tokens))
     return out
+
+
+def _check_token_range(path, tokens, vocab_size, offset=0):
+    if tokens.size and int(tokens.max()) >= vocab_size:
+        bad = int(np.argmax(tokens >= vocab_size))
+        raise DataError(f"{path}: token {int(tokens[bad])} at position {offset + bad} is >= vocab_size {vocab_size}")
+
+
+def check_shard_tokens(paths, vocab_size, chunk=1 << 24):
+    """Every token of every shard below the vocabulary size: checked before training starts, so a
+    bad shard late in the list cannot end a run hours in. Reads in chunks, keeps nothing."""
+    for path in paths:
+        count = read_shard_header(path)
+        tokens = np.memmap(path, dtype="<u2", mode="r", offset=SHARD_HEADER_INTS * 4, shape=(count,))
+        for start in range(0, count, chunk):
+            _check_token_range(path, tokens[start:start + chunk], vocab_size, start)
 
 
 def find_shards(pattern, what):
@@ -1762,12 +1830,14 @@ def resolve_data_files(args):
     """The shard files to read, and a line for the log saying where they come from. The cpu
     preset falls back to the embedded sample when the FineWeb shards are not there."""
     train, val = args.train_files, args.val_files
-    if args.preset == "cpu" and (train, val) == FINEWEB_FILES and not (glob.glob(train) and glob.glob(val)):
-        train, val = SAMPLE_FILES
-        note = (f"data: no FineWeb shards at {FINEWEB_FILES[0]}; training on the embedded sample in data/sample/ "
-                "(CPython documentation text, see data/sample/MANIFEST.json)")
-    else:
-        note = f"data: training on {train}, validating on {val}"
+    if (train, val) == FINEWEB_FILES:
+        train, val = (os.path.join(REPO_DIR, p) for p in FINEWEB_FILES)
+        if args.preset == "cpu" and not (glob.glob(train) and glob.glob(val)):
+            train, val = (os.path.join(REPO_DIR, p) for p in SAMPLE_FILES)
+            note = (f"data: no FineWeb shards in data/fineweb10B/; training on the embedded sample in data/sample/ "
+                    "(CPython documentation text, see data/sample/MANIFEST.json)")
+            return find_shards(train, "training"), find_shards(val, "validation"), note
+    note = f"data: training on {train}, validating on {val}"
     return find_shards(train, "training"), find_shards(val, "validation"), note
 
 
@@ -1785,9 +1855,10 @@ def data_shortfall(files, args):
 # -----------------------------------------------------------------------------------------------
 # 8. Training
 #
-# Set-up, then warmup steps that compile and exercise every kernel on random tokens (untimed),
-# then the model and optimizer are reset to their initial state, so warmup cannot help the run.
-# The clock runs only during training steps: it stops for validation. Everything printed goes to
+# Set-up (data files checked, not yet read into the loader), then warmup steps that compile and
+# exercise every kernel on random tokens (untimed); then model and optimizer are reset to their
+# initial state, so warmup cannot help the run. The clock runs during training steps, including
+# building the loader from the first shard; it stops for validation. Everything printed goes to
 # the console and to the run's log, in the public speedrun's line formats.
 
 class RunLog:
@@ -1819,7 +1890,7 @@ class RunLog:
 def hardware_description(hw):
     if hw.device.type == "cuda":
         try:
-            return subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=30).stdout.rstrip()
+            return subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=30).stdout.rstrip("\n") + "\n"
         except (OSError, subprocess.SubprocessError):
             return f"GPU: {torch.cuda.get_device_name(hw.device)} (nvidia-smi unavailable)"
     model = platform.processor() or platform.machine()
@@ -1886,7 +1957,8 @@ def train(args, ranks, hw, log, collectives=None, on_step=None):
     train_files, val_files, data_note = resolve_data_files(args)
     pin = hw.device.type == "cuda"
     val_tokens = load_val_tokens(val_files, args.val_tokens, args.vocab_size, pin)
-    batches = TrainBatches(train_files, args.train_seq_len, ranks.rank, ranks.world_size, args.vocab_size, pin)
+    check_shard_tokens(train_files, args.vocab_size)
+    batches = None  # made inside the clock: setup derived from the data counts as training time
     # One device scalar per window size, made once: a fresh host-to-device copy every step
     # would make the host wait for the GPU.
     window_sizes = {blocks: torch.tensor(blocks, device=hw.device)
@@ -1936,7 +2008,7 @@ def train(args, ranks, hw, log, collectives=None, on_step=None):
     if args.warmup_steps:
         log("Compiling model and warming up kernels")
         initial_params = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        rng = torch.Generator().manual_seed(12345)
+        rng = torch.Generator().manual_seed(args.seed + 1)  # not the model's stream
 
         def random_batch():
             tokens = torch.randint(0, BOS_TOKEN, (args.train_seq_len + 1,), generator=rng)
@@ -1975,6 +2047,9 @@ def train(args, ranks, hw, log, collectives=None, on_step=None):
         if last_step:
             break
         try:
+            if batches is None:  # reads and indexes the first shard, starts the prefetch thread
+                batches = TrainBatches(train_files, args.train_seq_len, ranks.rank, ranks.world_size,
+                                       args.vocab_size, pin)
             step_losses.append(train_step(step, lambda: batches.next_batch(hw.device)))
         except DataExhausted as e:
             result.stopped_early = str(e)
@@ -1993,16 +2068,18 @@ def train(args, ranks, hw, log, collectives=None, on_step=None):
     result.train_losses = losses.tolist()
     result.steps_done = step
     result.train_time_ms = training_time_ms
-    batches.close()
+    if batches is not None:
+        batches.close()
     return result
 
 
 def main(argv=None, environ=None):
     argv = sys.argv[1:] if argv is None else argv
     environ = os.environ if environ is None else environ
-    ranks = Ranks.from_env(environ)
     try:
+        ranks = Ranks.from_env(environ)
         args = parse_config(argv, environ, ranks.world_size)
+        check_log_dir(args)
     except ConfigError as e:
         print(f"train_gpt.py: error: {e}", file=sys.stderr)
         return 2

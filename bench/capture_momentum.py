@@ -14,7 +14,6 @@ Usage: python bench/capture_momentum.py [--steps 40] [--out bench/momentum_sampl
 Takes about 15 minutes on a 2-core CPU.
 """
 
-import argparse
 import os
 import sys
 import time
@@ -25,6 +24,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
 import train_gpt  # noqa: E402
+from data.cli_util import OneLineArgumentParser, positive_int  # noqa: E402
 
 CAPTURE_MODEL = dict(
     preset="cpu", num_layers=4, model_dim=768, num_heads=6, head_dim=128, window_pattern="LSSL",
@@ -35,9 +35,9 @@ CAPTURE_MODEL = dict(
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=40, help="training steps; capture at the last")
-    parser.add_argument("--keep", type=int, nargs=2, default=(2, 1), metavar=("SQUARE", "WIDE"),
+    parser = OneLineArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=positive_int, default=40, help="training steps; capture at the last")
+    parser.add_argument("--keep", type=positive_int, nargs=2, default=(2, 1), metavar=("SQUARE", "WIDE"),
                         help="matrices kept of the 768x768 and of the 768x3072 stack")
     parser.add_argument("--out", default=os.path.join(REPO_ROOT, "bench", "momentum_samples.pt"))
     args = parser.parse_args()

@@ -14,7 +14,6 @@ that the same cores must also do; the GPU figure is what matters and is not meas
 Usage: python bench/comms.py [--world-sizes 2 4] [--steps 6]
 """
 
-import argparse
 import os
 import socket
 import sys
@@ -28,6 +27,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
 import train_gpt  # noqa: E402
+from data.cli_util import OneLineArgumentParser, positive_int  # noqa: E402
 
 
 def free_port():
@@ -65,9 +65,7 @@ def worker(rank, world_size, port, steps, overlap, out_path):
         if step == 1:  # the first timed step: everything is allocated, counters start here
             record["bytes_before"] = comm.sent_bytes
         record["param_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
-        record["padding_bytes"] = sum((b.grad_stack.shape[0] - len(b.slots)) * b.grad_stack[0].numel() * 4
-                                      for g in optimizer.muon_groups for b in g["buckets"]) + sum(
-            (s.padded_rows - s.spec.param.shape[0]) * s.spec.param[0].numel() * 4 for s in optimizer.adam_shards)
+        record["padding_bytes"] = optimizer.padding_bytes()
 
     train_gpt.train(args, ranks, hw, lambda *a, **k: None, collectives=comm, on_step=on_step)
     record["bytes_per_step"] = (comm.sent_bytes - record["bytes_before"]) / (steps - 1)
@@ -86,10 +84,12 @@ def run(world_size, steps, overlap):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--steps", type=int, default=6)
+    parser = OneLineArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world-sizes", type=positive_int, nargs="+", default=[2, 4])
+    parser.add_argument("--steps", type=positive_int, default=6)
     args = parser.parse_args()
+    if args.steps < 4:
+        parser.error(f"--steps {args.steps}: need at least 4 (a warmup step and a first step are not timed)")
     print(f"{'W':>2} {'overlap':>7} {'MB sent/step':>12} {'lower bound':>11} {'padding':>8} "
           f"{'opt step ms':>11} {'waiting ms':>10} {'waiting %':>9}")
     for world_size in args.world_sizes:

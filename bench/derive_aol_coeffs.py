@@ -38,10 +38,13 @@ CLI:  python bench/derive_aol_coeffs.py --lower 1e-3 --steps 5
       python bench/derive_aol_coeffs.py --from-samples bench/momentum_samples.pt --steps 4
 """
 
-import argparse
 import math
+import os
+import sys
 
 import numpy as np
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Above this l/u the minimax quintic is numerically its limit as l -> u, the
 # Taylor-like quintic with p(u) = 1, p'(u) = p''(u) = 0; the 4x4 exchange system is
@@ -149,11 +152,9 @@ def singular_value_interval(schedule, lower: float, upper: float = 1.0):
 
 def post_aol_singular_values(path):
     """{name: fp64 singular values of each matrix after AOL scaling} for a samples file."""
-    import os
-    import sys
-
     import torch
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if REPO_ROOT not in sys.path:
+        sys.path.insert(0, REPO_ROOT)
     import train_gpt
 
     samples = torch.load(path, map_location="cpu")
@@ -184,16 +185,23 @@ def lower_bound_from_spectrum(singular_values, steps, safety=1.02, cushion=0.02)
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--lower", type=float, default=1e-3, help="smallest singular value to map near 1")
+    sys.path.insert(0, REPO_ROOT)
+    from data.cli_util import OneLineArgumentParser, positive_float, positive_int
+
+    parser = OneLineArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lower", type=positive_float, default=1e-3, help="smallest singular value to map near 1")
     parser.add_argument("--from-samples", metavar="PATH",
                         help="take --lower from the smallest post-AOL singular value of these momentum matrices")
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--upper", type=float, default=1.0, help="largest singular value before the first step")
-    parser.add_argument("--safety", type=float, default=1.02)
-    parser.add_argument("--cushion", type=float, default=0.02)
+    parser.add_argument("--steps", type=positive_int, default=5)
+    parser.add_argument("--upper", type=positive_float, default=1.0, help="largest singular value before the first step")
+    parser.add_argument("--safety", type=positive_float, default=1.02)
+    parser.add_argument("--cushion", type=positive_float, default=0.02)
     parser.add_argument("--name", default="AOL_COEFFS", help="name of the printed Python constant")
     args = parser.parse_args()
+    if args.lower > args.upper:
+        parser.error(f"--lower {args.lower} is above --upper {args.upper}")
+    if args.from_samples and not os.path.isfile(args.from_samples):
+        parser.error(f"--from-samples {args.from_samples}: no such file (bench/capture_momentum.py writes it)")
     if args.from_samples:
         spectra = []
         for name, values in post_aol_singular_values(args.from_samples).items():

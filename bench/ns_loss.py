@@ -8,7 +8,6 @@ Usage: python bench/ns_loss.py [--steps 120] [--methods aol polar_express newton
 About 2.5 minutes per method on a 2-core CPU at the default 120 steps.
 """
 
-import argparse
 import os
 import sys
 import time
@@ -19,11 +18,12 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
 import train_gpt  # noqa: E402
+from data.cli_util import OneLineArgumentParser, positive_int  # noqa: E402
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=120)
+    parser = OneLineArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=positive_int, default=120)
     parser.add_argument("--methods", nargs="+", default=list(train_gpt.NS_METHODS), choices=train_gpt.NS_METHODS)
     parser.add_argument("extra", nargs="*", help="more trainer options, e.g. --normuon true (after --)")
     args = parser.parse_args()

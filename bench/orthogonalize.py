@@ -25,7 +25,6 @@ faster than CPU bf16 matmuls and matches them to 3 digits of polar error.
 Usage: python bench/orthogonalize.py [--quick] [--aol-lower 0.05] [--samples PATH]
 """
 
-import argparse
 import os
 import sys
 import time
@@ -37,6 +36,7 @@ sys.path.insert(0, REPO_ROOT)
 
 import train_gpt as ns  # noqa: E402
 from bench.derive_aol_coeffs import derive_schedule  # noqa: E402
+from data.cli_util import OneLineArgumentParser, positive_float, positive_int  # noqa: E402
 
 # Coefficients run after AOL in public Turbo-Muon code (Dion / You Jiacheng).
 DION_AOL_COEFFS = [
@@ -170,15 +170,15 @@ def load_momentum_samples(path, max_per_name):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="one matrix per shape / sample name")
-    parser.add_argument("--batch", type=int, default=4, help="Gaussian matrices per shape (accuracy)")
-    parser.add_argument("--gpu-batch", type=int, default=12, help="stack size for CUDA timings")
-    parser.add_argument("--max-per-name", type=int, default=4, help="momentum matrices used per sample name")
+    parser.add_argument("--batch", type=positive_int, default=4, help="Gaussian matrices per shape (accuracy)")
+    parser.add_argument("--gpu-batch", type=positive_int, default=12, help="stack size for CUDA timings")
+    parser.add_argument("--max-per-name", type=positive_int, default=4, help="momentum matrices used per sample name")
     parser.add_argument("--samples", default=DEFAULT_SAMPLES)
-    parser.add_argument("--aol-lower", type=float, default=None,
+    parser.add_argument("--aol-lower", type=positive_float, default=None,
                         help="derive the AOL table for singular values in [L, 1] (default: train_gpt.AOL_COEFFS)")
-    parser.add_argument("--aol-steps", type=int, default=4)
+    parser.add_argument("--aol-steps", type=positive_int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if args.quick:

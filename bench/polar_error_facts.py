@@ -7,7 +7,6 @@ Takes about a minute per matrix on a 2-core CPU (the fp64 SVD dominates).
 Usage: python bench/polar_error_facts.py [--batch 2] [--seed 0]
 """
 
-import argparse
 import os
 import sys
 
@@ -16,6 +15,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import train_gpt as ns  # noqa: E402
+from data.cli_util import OneLineArgumentParser, positive_int  # noqa: E402
 from bench.orthogonalize import DION_AOL_COEFFS, emulated_bf16, polar_factor  # noqa: E402
 
 QUOTED = [
@@ -31,8 +31,8 @@ def relative_error(out, reference):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batch", type=int, default=2)
+    parser = OneLineArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch", type=positive_int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     torch.manual_seed(args.seed)

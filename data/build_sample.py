@@ -45,8 +45,8 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cli_util import OneLineArgumentParser, fail  # noqa: E402
-from fineweb import BuildError, get_gpt2_encoding, sha256_of, shard_name, tokenize_to_shards  # noqa: E402
-from shards import ShardError  # noqa: E402
+from fineweb import BuildError, get_gpt2_encoding, sha256_of, tokenize_to_shards  # noqa: E402
+from shards import ShardError, shard_name  # noqa: E402
 
 SAMPLE_DIR = Path(__file__).resolve().parent / "sample"
 PREFIX = "sample"

@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cli_util import OneLineArgumentParser, fail, first_line  # noqa: E402
-from shards import ShardError, read_header, read_shard  # noqa: E402
+from shards import ShardError, read_header, read_shard, shard_name  # noqa: E402
 
 REPO_ID = "kjj0/fineweb10B-gpt2"
 DEFAULT_TRAIN_SHARDS = 9  # enough tokens for one speedrun
@@ -39,7 +39,7 @@ class DownloadError(RuntimeError):
 
 def shard_names(num_train):
     """The validation shard followed by the first num_train training shards."""
-    return ["fineweb_val_000000.bin"] + [f"fineweb_train_{i:06d}.bin" for i in range(1, num_train + 1)]
+    return [shard_name("fineweb", i) for i in range(num_train + 1)]
 
 
 def hf_fetch(name, staging_dir):
@@ -139,6 +139,9 @@ def main(argv=None, fetch=hf_fetch, dest_dir=DEST_DIR):
         fail(str(error))
     except KeyboardInterrupt:
         fail("interrupted; rerun the same command to resume (finished files are kept)", 130)
+    except OSError as error:  # a full disk, a read-only folder, ...
+        where = f"{error.filename}: " if error.filename else ""
+        fail(f"{where}{error.strerror or error}; free space or fix permissions, then rerun (finished files are kept)")
     size = sum(p.stat().st_size for p in paths)
     print(f"done: {len(paths)} files, {size / 1e9:.2f} GB in {dest_dir}")
 

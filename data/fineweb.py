@@ -35,7 +35,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numpy as np  # noqa: E402
 from cli_util import OneLineArgumentParser, fail, first_line  # noqa: E402
-from shards import BOS, GPT2_VOCAB_SIZE, ShardError, write_shard  # noqa: E402
+from shards import BOS, GPT2_VOCAB_SIZE, ShardError, shard_name, write_shard  # noqa: E402
 
 DEFAULT_SHARD_SIZE = 100_000_000  # tokens; the size of the public FineWeb shards
 DATA_DIR = Path(__file__).resolve().parent
@@ -162,12 +162,6 @@ def _tokenize_document(text):
     out[0] = BOS
     out[1:] = tokens
     return out
-
-
-def shard_name(prefix, index):
-    """File name of shard number index: shard 0 is validation, the rest training."""
-    split = "val" if index == 0 else "train"
-    return f"{prefix}_{split}_{index:06d}.bin"
 
 
 def existing_shards(out_dir, prefix, first_index=0):

@@ -32,6 +32,13 @@ _HEADER_DTYPE = np.dtype("<i4")
 _TOKEN_DTYPE = np.dtype("<u2")
 
 
+def shard_name(prefix, index):
+    """File name of shard number index: shard 0 is validation, the rest training
+    (fineweb_val_000000.bin, fineweb_train_000001.bin, ...)."""
+    split = "val" if index == 0 else "train"
+    return f"{prefix}_{split}_{index:06d}.bin"
+
+
 class ShardError(ValueError):
     """A shard file is malformed, or tokens cannot be stored as a shard."""
 

@@ -685,8 +685,15 @@ def _load_usable(path: str) -> RecordFolder:
     return folder
 
 
+class _OneLineArgumentParser(argparse.ArgumentParser):
+    """A bad option is reported in one line (no usage dump), exit status 2."""
+
+    def error(self, message):
+        self.exit(2, f"compare.py: error: {message}\n")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = _OneLineArgumentParser(
         description="Summarize the run logs in RUNS_DIR (and compare them with BASELINE_DIR)."
     )
     parser.add_argument("runs_dir", metavar="RUNS_DIR")

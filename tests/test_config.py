@@ -60,6 +60,9 @@ BAD = [
     (["--num_iterations"], {}, 1, "missing value"),
     (["positional"], {}, 1, "unexpected argument"),
     (["--device", "cuda"], {}, 1, "no CUDA device"),
+    (["--adam_beta1", "1"], {}, 1, "--adam_beta1=1.0: must lie in [0, 1)"),
+    (["--attention_free_layers", "0,2", "--num_value_embeds", "1"], {}, 1, "blocks [0] take value embeddings"),
+    (["--rotary_base", "0"], {}, 1, "--rotary_base"),
 ]
 
 
@@ -96,3 +99,20 @@ def test_help_lists_every_field():
     text = str(help_info.value)
     for name in ("num_iterations", "ns_method", "overlap_comms"):
         assert f"--{name}" in text
+
+
+@pytest.mark.parametrize("environ, needle", [({"RANK": "x"}, "RANK='x'"), ({"WORLD_SIZE": "0"}, "WORLD_SIZE='0'")])
+def test_malformed_torchrun_variables(capsys, environ, needle):
+    assert train_gpt.main([], environ) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0]
+
+
+def test_unwritable_log_dir_is_rejected_before_any_work(tmp_path, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    assert train_gpt.main([f"--log_dir={blocker / 'records'}"], {}) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--log_dir=" in err[0] and "is not a writable directory" in err[0]
+    # a folder that does not exist yet but can be created is fine
+    train_gpt.check_log_dir(train_gpt.Hyperparameters(log_dir=str(tmp_path / "new" / "records")))

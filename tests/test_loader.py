@@ -158,3 +158,20 @@ def test_out_of_range_token_is_reported(tmp_path):
 def test_missing_shards_name_the_pattern(tmp_path):
     with pytest.raises(train_gpt.DataError, match="no training shards match"):
         train_gpt.find_shards(str(tmp_path / "nothing_*.bin"), "training")
+
+
+def test_next_shard_is_read_by_a_background_thread(make_shards, monkeypatch):
+    import threading
+    train_glob, _, _ = make_shards(train_sizes=(3_000, 3_000))
+    readers = []
+    original = train_gpt.LoadedShard.__init__
+
+    def recording_init(self, path, vocab_size, pin_memory):
+        readers.append((path, threading.current_thread() is threading.main_thread()))
+        original(self, path, vocab_size, pin_memory)
+    monkeypatch.setattr(train_gpt.LoadedShard, "__init__", recording_init)
+    loader = train_gpt.TrainBatches(train_gpt.find_shards(train_glob, "training"), 128, 0, 1, 50304)
+    loader._prefetch.result()  # the second shard is loaded without anyone asking for it yet
+    assert [main for _, main in readers] == [True, False]
+    drain(loader)
+    loader.close()

@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import train_gpt
 from conftest import TINY
@@ -125,13 +126,62 @@ def test_fp8_matmul_matches_full_precision():
     assert (gw - grad.T @ x.detach()).abs().max() < 0.1 * (grad.T @ x.detach()).abs().max()
 
 
-def test_fp8_head_model_runs_and_learns_signal():
+def test_fp8_head_is_close_to_full_precision_and_only_used_in_training():
     model, args = tiny_model()
-    model.hw = train_gpt.Hardware(torch.device("cpu"), torch.float32, "sdpa", True, "torch", "gloo")
     with torch.no_grad():
-        model.lm_head_w.normal_(0, 0.02)
+        model.lm_head_w.normal_(0, 0.05)
     inputs, targets = random_tokens(args.train_seq_len)
-    fp8_loss = model(inputs, targets, torch.tensor(4))
-    model.hw = train_gpt.Hardware(torch.device("cpu"), torch.float32, "sdpa", False, "torch", "gloo")
-    full_loss = model(inputs, targets, torch.tensor(4))
-    assert fp8_loss.item() == pytest.approx(full_loss.item(), rel=1e-3)
+    window = torch.tensor(4)
+    full_hw = train_gpt.Hardware(torch.device("cpu"), torch.float32, "sdpa", False, "torch", "gloo")
+    fp8_hw = train_gpt.Hardware(torch.device("cpu"), torch.float32, "sdpa", True, "torch", "gloo")
+    model.hw = full_hw
+    full = model.logits(inputs, window)
+    model.hw = fp8_hw
+    fp8 = model.logits(inputs, window)
+    # the FP8 path is really taken, and stays within FP8 rounding of the full-precision logits
+    assert not torch.equal(fp8, full)
+    centered = full - full.mean()
+    assert (fp8 - full).abs().max() < 0.05 * centered.abs().max()
+    assert model(inputs, targets, window).item() == pytest.approx(F.cross_entropy(full, targets).item(), abs=2e-3)
+    model.eval()  # validation measures the model without FP8
+    assert torch.equal(model.logits(inputs, window), full)
+
+
+def test_compiled_blocks_stay_compiled_for_training_and_validation():
+    """The speedrun layout has ~12 block variants (attention or not, value embedding or not, long
+    or short window, block 0, training or validation); dynamo must not fall back to eager."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    model, args = tiny_model(num_layers=12, window_pattern="LSSSLSSLSSSL", attention_free_layers="7",
+                             num_value_embeds=3, val_seq_len=256)
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        model.compile_regions(backend="eager")  # dynamo's graph capture without inductor's code generation
+        inputs, targets = random_tokens(args.train_seq_len)
+        model(inputs, targets, torch.tensor(2)).backward()
+        model.eval()
+        with torch.no_grad():
+            inputs, targets = random_tokens(args.val_seq_len)
+            model(inputs, targets, torch.tensor(2))
+        fallbacks = [reason for reason in counters["unimplemented"] if "recompile" in reason.lower()]
+        assert not fallbacks, fallbacks
+        assert counters["stats"]["unique_graphs"] > 8  # more variants than dynamo's default limit
+    finally:
+        torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("cuda, capability, fp8", [(False, None, False), (True, (8, 0), False), (True, (9, 0), True)])
+def test_hardware_branches(monkeypatch, cuda, capability, fp8):
+    """FP8 only on GPUs that support it (compute capability 8.9+), Triton orthogonalization and
+    FlexAttention on CUDA, the dense-mask path and the PyTorch twin on CPU."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    args = train_gpt.Hyperparameters(fp8_head=True)
+    hw = train_gpt.Hardware.detect(args)
+    assert hw.fp8_head is fp8
+    assert (hw.device.type, hw.attention, hw.dist_backend) == (("cuda", "flex", "nccl") if cuda else ("cpu", "sdpa", "gloo"))
+    assert hw.compute_dtype == (torch.bfloat16 if cuda else torch.float32)
+    assert hw.ns_backend == ("triton" if cuda and train_gpt.triton is not None else "torch")
+    assert train_gpt.Hardware.detect(train_gpt.Hyperparameters(fp8_head=False)).fp8_head is False
+    assert train_gpt.Hardware.detect(train_gpt.Hyperparameters(ns_backend="torch")).ns_backend == "torch"

@@ -33,3 +33,4 @@ def test_run_sh_trains_the_cpu_preset(tmp_path):
     assert losses[-1] <= losses[0] - 2.0, losses
     assert re.search(r"^peak memory allocated: \d+ MiB reserved: \d+ MiB$", text, re.M)
     print(f"run.sh took {elapsed:.0f} s; val losses {losses}")
+    assert elapsed < 300, f"the cpu preset should finish in under 5 minutes on 2 cores, took {elapsed:.0f} s"

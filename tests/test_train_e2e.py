@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -49,7 +50,7 @@ def test_script_writes_a_complete_log(tmp_path, make_shards):
     assert header[1].startswith("Running PyTorch ")
     assert header[2].startswith("Running Triton version ")
     assert header[3].startswith("CPU: ")
-    for key in ("preset=cpu", "run_name=e2e", "target_val_loss=3.28", "num_iterations=4", "world_size=1",
+    for key in ("preset=cpu", "run_name=e2e", "target_val_loss=6.0", "num_iterations=4", "world_size=1",
                 "effective_device=cpu", "effective_attention=sdpa"):
         assert key in header, key
     for f in train_gpt.dataclasses.fields(train_gpt.Hyperparameters):
@@ -69,7 +70,7 @@ def test_script_writes_a_complete_log(tmp_path, make_shards):
     import compare
     run = compare.parse_log(log)
     assert run.usable, run.problems
-    assert run.total_steps == 4 and run.run_name == "e2e" and run.target_val_loss == 3.28
+    assert run.total_steps == 4 and run.run_name == "e2e" and run.target_val_loss == 6.0
     assert run.final_val_loss == pytest.approx(float(STEP_VAL.match(
         [line for line in body if line.startswith("step:4/4 val")][0]).group(3)))
 
@@ -123,23 +124,59 @@ def test_missing_data_fails_before_any_log_is_written(tmp_path):
     assert not log_dir.exists() or not any(log_dir.rglob("*.txt"))
 
 
-def test_cpu_preset_falls_back_to_the_sample_only_without_fineweb(tmp_path, make_shards):
+def test_cpu_preset_falls_back_to_the_sample_only_without_fineweb(tmp_path, make_shards, monkeypatch):
     args = train_gpt.parse_config(["--preset", "cpu"], {}, 1, False)
-    here = os.getcwd()
-    os.chdir(tmp_path)  # no data/fineweb10B here
-    try:
-        (tmp_path / "data" / "sample").mkdir(parents=True)
-        train_glob, val_glob, _ = make_shards(prefix="sample")
-        for f in Path(train_glob).parent.glob("*.bin"):
-            f.rename(tmp_path / "data" / "sample" / f.name)
-        train, val, note = train_gpt.resolve_data_files(args)
-        assert train == ["data/sample/sample_train_000001.bin"] and "embedded sample" in note
-        # with FineWeb present, the cpu preset uses it
-        (tmp_path / "data" / "fineweb10B").mkdir()
-        for name in ("fineweb_train_000001.bin", "fineweb_val_000000.bin"):
-            (tmp_path / "data" / "fineweb10B" / name).write_bytes(
-                (tmp_path / "data" / "sample" / "sample_val_000000.bin").read_bytes())
-        train, val, note = train_gpt.resolve_data_files(args)
-        assert train == ["data/fineweb10B/fineweb_train_000001.bin"] and "embedded sample" not in note
-    finally:
-        os.chdir(here)
+    monkeypatch.setattr(train_gpt, "REPO_DIR", str(tmp_path))  # a checkout without data/fineweb10B
+    (tmp_path / "data" / "sample").mkdir(parents=True)
+    train_glob, val_glob, _ = make_shards(prefix="sample")
+    for f in Path(train_glob).parent.glob("*.bin"):
+        f.rename(tmp_path / "data" / "sample" / f.name)
+    train, val, note = train_gpt.resolve_data_files(args)
+    assert train == [str(tmp_path / "data" / "sample" / "sample_train_000001.bin")] and "embedded sample" in note
+    # with FineWeb present, the cpu preset uses it
+    (tmp_path / "data" / "fineweb10B").mkdir()
+    for name in ("fineweb_train_000001.bin", "fineweb_val_000000.bin"):
+        (tmp_path / "data" / "fineweb10B" / name).write_bytes(
+            (tmp_path / "data" / "sample" / "sample_val_000000.bin").read_bytes())
+    train, val, note = train_gpt.resolve_data_files(args)
+    assert train == [str(tmp_path / "data" / "fineweb10B" / "fineweb_train_000001.bin")]
+    assert "embedded sample" not in note
+    # the speedrun preset never falls back
+    speedrun = train_gpt.parse_config(["--preset", "speedrun"], {}, 1, False)
+    for f in (tmp_path / "data" / "fineweb10B").iterdir():
+        f.unlink()
+    with pytest.raises(train_gpt.DataError, match="no training shards match"):
+        train_gpt.resolve_data_files(speedrun)
+
+
+def test_bad_token_in_a_late_shard_stops_before_training(make_shards):
+    train_glob, val_glob, (trains, _) = make_shards(train_sizes=(5_000, 5_000, 5_000))
+    last = sorted(Path(train_glob).parent.glob("syn_train_*.bin"))[-1]
+    raw = bytearray(last.read_bytes())
+    raw[1024 + 2 * 4321:1024 + 2 * 4322] = (60000).to_bytes(2, "little")
+    last.write_bytes(bytes(raw))
+    args = train_gpt.Hyperparameters(**dict(TINY, train_files=train_glob, val_files=val_glob))
+    steps = []
+    with pytest.raises(train_gpt.DataError) as err:
+        train_gpt.train(args, train_gpt.Ranks(), train_gpt.Hardware.detect(args), lambda *a, **k: None,
+                        on_step=lambda *a: steps.append(a))
+    assert str(err.value) == f"{last}: token 60000 at position 4321 is >= vocab_size 50304"
+    assert steps == []
+
+
+def test_clock_stops_during_validation(make_shards, monkeypatch):
+    """Validation time is not training time: slow every validation window down by 0.3 s and the
+    reported train_time does not grow by it."""
+    data = make_shards()
+    original = train_gpt.val_batches
+
+    def slow_val_batches(*args, **kwargs):
+        for batch in original(*args, **kwargs):
+            time.sleep(0.3)
+            yield batch
+    monkeypatch.setattr(train_gpt, "val_batches", slow_val_batches)
+    started = time.perf_counter()
+    result = in_process(data, num_iterations=3, val_every=1)
+    wall_ms = 1000 * (time.perf_counter() - started)
+    windows = 4 * (TINY["val_tokens"] // TINY["val_seq_len"])  # 4 validations (steps 0..3)
+    assert wall_ms - result.train_time_ms > windows * 300
