@@ -22,13 +22,11 @@ import difflib
 import functools
 import glob
 import hashlib
-import math
 import os
 import platform
 import resource
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -143,12 +141,10 @@ PRESETS = {
         attn_block_size=64,
         window_start_tokens=128,
         window_end_tokens=512,
-        fp8_head=False,
         compile=False,
         num_iterations=120,
         val_every=40,
         warmup_steps=2,
-        embed_lr_mult=75.0,
         muon_momentum_warmup_steps=50,
         dist_timeout_s=120,
     ),
@@ -1834,7 +1830,7 @@ def resolve_data_files(args):
         train, val = (os.path.join(REPO_DIR, p) for p in FINEWEB_FILES)
         if args.preset == "cpu" and not (glob.glob(train) and glob.glob(val)):
             train, val = (os.path.join(REPO_DIR, p) for p in SAMPLE_FILES)
-            note = (f"data: no FineWeb shards in data/fineweb10B/; training on the embedded sample in data/sample/ "
+            note = ("data: no FineWeb shards in data/fineweb10B/; training on the embedded sample in data/sample/ "
                     "(CPython documentation text, see data/sample/MANIFEST.json)")
             return find_shards(train, "training"), find_shards(val, "validation"), note
     note = f"data: training on {train}, validating on {val}"
@@ -2050,7 +2046,7 @@ def train(args, ranks, hw, log, collectives=None, on_step=None):
             if batches is None:  # reads and indexes the first shard, starts the prefetch thread
                 batches = TrainBatches(train_files, args.train_seq_len, ranks.rank, ranks.world_size,
                                        args.vocab_size, pin)
-            step_losses.append(train_step(step, lambda: batches.next_batch(hw.device)))
+            step_losses.append(train_step(step, functools.partial(batches.next_batch, hw.device)))
         except DataExhausted as e:
             result.stopped_early = str(e)
             log(f"stopping early at step {step}/{N}: {e}")

@@ -2,7 +2,6 @@
 FlexAttention BlockMask both equal a naive reference written with explicit loops over query and
 key positions, on random documents and windows."""
 
-import math
 import warnings
 
 import pytest

@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 import train_gpt
 from conftest import ROOT, TINY, tiny_argv
