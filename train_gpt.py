@@ -1107,8 +1107,9 @@ class ShardedMuonAdam:
             units += buckets
 
         adam_specs = [s for s in specs if s.optimizer == "adam"]
-        big = [s for s in adam_specs if s.param.ndim >= 2 and s.param.numel() >= args.adam_shard_min_numel]
-        small = [s for s in adam_specs if s not in big]
+        is_big = lambda s: s.param.ndim >= 2 and s.param.numel() >= args.adam_shard_min_numel  # noqa: E731
+        big = [s for s in adam_specs if is_big(s)]
+        small = [s for s in adam_specs if not is_big(s)]
         self.adam_shards = [AdamShard(s, W, device) for s in big]
         for shard in self.adam_shards:
             local_shape = (shard.rows_per_rank, *shard.spec.param.shape[1:]) if W > 1 else shard.spec.param.shape

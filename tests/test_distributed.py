@@ -279,3 +279,23 @@ def test_missing_rank_times_out_with_a_message(tmp_path, make_shards):
     code, err = results[0]
     assert code == 1 and "could not join 2 ranks within --dist_timeout_s=3" in err and "\n" not in err
     assert elapsed < 60
+
+
+def test_torchrun_launch_on_cpu(tmp_path, make_shards):
+    """The real launcher: torchrun with 2 processes trains with gloo and rank 0 writes the log."""
+    import subprocess
+    import sys
+    from conftest import ROOT
+    train_glob, val_glob, _ = make_shards()
+    log_dir = tmp_path / "records"
+    argv = tiny_argv(train_files=train_glob, val_files=val_glob, log_dir=log_dir, micro_batches=2, run_name="tr")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(ROOT / "train_gpt.py"), *argv], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    logs = list(log_dir.glob("*_tr/*.txt"))
+    assert len(logs) == 1  # one log, from rank 0
+    text = logs[0].read_text()
+    assert "world_size=2" in text and "grad_accum_steps=1" in text
+    assert "step:4/4 val_loss:" in text
