@@ -1017,14 +1017,16 @@ class CommUnit:
 
 
 class MuonBucket(CommUnit):
-    def __init__(self, slots, world_size, device):
+    """Its tensors are views into its shape group's: grad_stack (padded, m, n) the stacked gradients,
+    reduced (per_rank, m, n) this rank's share after the reduce-scatter (at world size 1 the same
+    as grad_stack), param_stack (padded, m, n) the all-gathered new values (world size > 1)."""
+
+    def __init__(self, slots, world_size):
         super().__init__([s.spec.param for s in slots])
         self.slots = slots
         self.per_rank = -(-len(slots) // world_size)
-        rows, cols = slots[0].view(slots[0].spec.param).shape
-        padded = self.per_rank * world_size
-        self.grad_stack = torch.zeros(padded, rows, cols, device=device)
-        self.param_stack = torch.zeros(padded, rows, cols, device=device) if world_size > 1 else None
+        self.padded = self.per_rank * world_size
+        self.grad_stack = self.reduced = self.param_stack = None
 
     def stack_grads(self):
         # one multi-tensor copy rather than a kernel launch per matrix
@@ -1091,13 +1093,24 @@ class ShardedMuonAdam:
         self.muon_groups = []   # per shape: the buckets and the state of this rank's matrices
         units = []
         for shape, shape_slots in by_shape.items():
-            buckets = [MuonBucket(shape_slots[i:i + bucket_size], W, device)
-                       for i in range(0, len(shape_slots), bucket_size)]
+            buckets = [MuonBucket(shape_slots[i:i + bucket_size], W) for i in range(0, len(shape_slots), bucket_size)]
             owned = sum(b.per_rank for b in buckets)
+            padded = sum(b.padded for b in buckets)
             group = dict(shape=shape, buckets=buckets,
+                         grad_stack=torch.zeros(padded, *shape, device=device),  # zero rows stay zero: padding
+                         reduced=torch.empty(owned, *shape, device=device) if W > 1 else None,
+                         param_stack=torch.empty(padded, *shape, device=device) if W > 1 else None,
                          momentum=torch.zeros(owned, *shape, device=device),
                          second_moment=torch.zeros(owned, 1, shape[1], device=device) if args.normuon else None,
-                         param_buffer=torch.zeros(owned, *shape, device=device))  # zero rows stay zero: padding
+                         param_buffer=torch.zeros(owned, *shape, device=device))
+            start = local = 0
+            for b in buckets:  # each bucket works on its own slice of the group's tensors
+                b.grad_stack = group["grad_stack"][start:start + b.padded]
+                b.reduced = group["reduced"][local:local + b.per_rank] if W > 1 else b.grad_stack
+                b.param_stack = group["param_stack"][start:start + b.padded] if W > 1 else None
+                start, local = start + b.padded, local + b.per_rank
+            # this rank's share of the group, in bucket order: at world size 1, all of it
+            group["local_grads"] = group["reduced"] if W > 1 else group["grad_stack"]
             group["owned"] = self._owned_slots(group)
             group["real"] = [i for i, slot in enumerate(group["owned"]) if slot is not None]
             # Made once: a host-to-device copy each step would make the host wait for the GPU.
@@ -1155,7 +1168,7 @@ class ShardedMuonAdam:
         total = 0
         for group in self.muon_groups:
             for b in group["buckets"]:
-                total += (b.grad_stack.shape[0] - len(b.slots)) * b.grad_stack[0].numel() * b.grad_stack.element_size()
+                total += (b.padded - len(b.slots)) * b.grad_stack[0].numel() * b.grad_stack.element_size()
         for shard in self.adam_shards:
             p = shard.spec.param
             total += (shard.padded_rows - p.shape[0]) * p[0].numel() * p.element_size()
@@ -1194,8 +1207,7 @@ class ShardedMuonAdam:
             return
         if isinstance(unit, MuonBucket):
             unit.stack_grads()
-            group = next(g for g in self.muon_groups if unit in g["buckets"])
-            unit.work = self.comm.reduce_scatter(self._local_grads(group, unit), unit.grad_stack)
+            unit.work = self.comm.reduce_scatter(unit.reduced, unit.grad_stack)
         elif isinstance(unit, AdamShard):
             grad = unit.spec.param.grad
             if unit.grad_buffer is not None:
@@ -1206,18 +1218,6 @@ class ShardedMuonAdam:
         else:
             unit.flat = torch.cat([s.param.grad.flatten() for s in unit.specs])
             unit.work = self.comm.all_reduce_mean(unit.flat)
-
-    def _local_grads(self, group, bucket):
-        """This rank's slice of the group's reduced gradients that belongs to `bucket`."""
-        if "local_grad" not in group:
-            owned = sum(b.per_rank for b in group["buckets"])
-            group["local_grad"] = torch.empty(owned, *group["shape"], device=self.hw.device)
-        start = 0
-        for b in group["buckets"]:
-            if b is bucket:
-                return group["local_grad"][start:start + b.per_rank]
-            start += b.per_rank
-        raise KeyError("bucket not in group")
 
     # -- the update ---------------------------------------------------------------------------------
     @torch.no_grad()
@@ -1239,14 +1239,12 @@ class ShardedMuonAdam:
     def _muon_update(self, group):
         args, W = self.args, self.world_size
         buckets = group["buckets"]
-        if W == 1:
-            for b in buckets:
+        for b in buckets:
+            if W == 1:
                 b.stack_grads()
-            grads = torch.cat([b.grad_stack for b in buckets]) if len(buckets) > 1 else buckets[0].grad_stack
-        else:
-            for b in buckets:
+            else:
                 self.comm.wait(b.work)
-            grads = group["local_grad"]
+        grads = group["local_grads"]
         mine = group["owned"]
         momentum = group["momentum"]
         mu = self.muon_momentum
@@ -1265,9 +1263,8 @@ class ShardedMuonAdam:
         finishes = []
         start = 0
         for b in buckets:
-            local = new_params[start:start + b.per_rank]
+            work = self.comm.all_gather(b.param_stack, new_params[start:start + b.per_rank])
             start += b.per_rank
-            work = self.comm.all_gather(b.param_stack, local.contiguous())
 
             def finish(b=b, work=work):
                 self.comm.wait(work)
