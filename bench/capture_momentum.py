@@ -29,7 +29,7 @@ from data.cli_util import OneLineArgumentParser, positive_int  # noqa: E402
 CAPTURE_MODEL = dict(
     preset="cpu", num_layers=4, model_dim=768, num_heads=6, head_dim=128, window_pattern="LSSL",
     attention_free_layers="", num_value_embeds=2, attn_block_size=128, train_seq_len=1024, val_seq_len=1024,
-    window_start_tokens=128, window_end_tokens=512, val_tokens=1024, micro_batches=8, val_every=0,
+    window_growth_tokens=512, val_tokens=1024, micro_batches=8, val_every=0,
     warmup_steps=0, compile=False, ns_method="polar_express",
 )
 
@@ -52,9 +52,9 @@ def main():
     state = {"step": 0}
     original = train_gpt.orthogonalize
 
-    def recording_orthogonalize(G, method="aol", backend="torch", coeffs=None):
-        if state["step"] == args.steps - 1:  # inside the last step's optimizer update
-            m, n = G.shape[-2:]
+    def recording_orthogonalize(G, method="newton_schulz", backend="torch", coeffs=None):
+        m, n = G.shape[-2:]
+        if state["step"] == args.steps - 1 and m >= 128:  # the last step's block matrices (not the 6x12 gates)
             keep = args.keep[0] if m == n else args.keep[1]
             captured[f"{m}x{n}"] = G[:keep].detach().to(torch.bfloat16).clone()
         return original(G, method, backend, coeffs)

@@ -54,7 +54,7 @@ def make_shards(tmp_path):
 # A model small enough for a CPU test, with every architectural feature switched on.
 TINY = dict(
     preset="cpu", num_layers=4, model_dim=32, num_heads=2, head_dim=16, train_seq_len=128, val_seq_len=128,
-    attn_block_size=32, window_pattern="LSSL", window_start_tokens=32, window_end_tokens=128,
+    attn_block_size=32, window_pattern="LSSL", window_growth_tokens=128,
     attention_free_layers="2", num_value_embeds=1, val_tokens=512, micro_batches=1, num_iterations=4,
     val_every=2, warmup_steps=0, compile=False, fp8_head=False,
 )

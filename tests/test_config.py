@@ -19,7 +19,7 @@ def test_default_preset_follows_the_hardware():
     assert parse(cuda=False).preset == "cpu"
     speedrun = parse(cuda=True)
     assert speedrun.preset == "speedrun"
-    assert (speedrun.num_layers, speedrun.model_dim, speedrun.num_iterations) == (12, 768, 1750)
+    assert (speedrun.num_layers, speedrun.model_dim, speedrun.num_iterations) == (12, 768, 1695)
 
 
 def test_cpu_preset_changes_only_its_own_fields():

@@ -1,6 +1,7 @@
-"""The data loader: windows start at BOS, ranks never overlap and together see exactly what one
-rank would see, tokens are accounted for exactly across shard boundaries, running out of data
-and bad files give clear errors; the trainer's shard reader agrees with data/shards.py."""
+"""The data loader: windows start at BOS and follow the record's rule (a step's windows from one
+shard, shard tails dropped), ranks never overlap and together see exactly what one rank would
+see, running out of data and bad files give clear errors; the trainer's shard reader agrees with
+data/shards.py."""
 
 import numpy as np
 import pytest
@@ -10,18 +11,25 @@ import train_gpt
 from shards import BOS, write_shard
 
 
-def reference_windows(stream, seq_len):
-    """The loader's rule on one concatenated stream: each window is seq_len+1 tokens starting at a
-    BOS; the next one starts at the first BOS at or after the end of this one's inputs."""
-    bos = np.flatnonzero(stream == BOS)
-    windows, cursor = [], 0
+def reference_windows(shards, seq_len, windows_per_step):
+    """The record's loader, restated on numpy arrays (its find_batch_starts and generator): before
+    each step, if pos + 2 * windows_per_step * seq_len + 1 >= len(shard), move to the next shard at
+    pos 0; each window starts at the first BOS >= pos, and pos moves on to the first BOS >=
+    start + seq_len. Yields (shard index, start, window)."""
+    out, shard_index, pos = [], 0, 0
+    bos = [np.flatnonzero(t == BOS) for t in shards]
     while True:
-        i = np.searchsorted(bos, cursor)
-        if i == len(bos) or bos[i] + seq_len + 1 > len(stream):
-            return windows
-        start = int(bos[i])
-        windows.append((start, stream[start:start + seq_len + 1]))
-        cursor = start + seq_len
+        if len(out) % windows_per_step == 0:
+            while pos + 2 * windows_per_step * seq_len + 1 >= len(shards[shard_index]):
+                shard_index, pos = shard_index + 1, 0
+                if shard_index == len(shards):
+                    return out
+        tokens, starts = shards[shard_index], bos[shard_index]
+        start = int(starts[np.searchsorted(starts, pos)])
+        assert start + seq_len + 1 <= len(tokens), "a step outgrew its budget: not exercised here"
+        out.append((shard_index, start, tokens[start:start + seq_len + 1]))
+        later = starts[starts >= start + seq_len]
+        pos = int(later[0]) if len(later) else len(tokens)
 
 
 def drain(loader):
@@ -34,33 +42,29 @@ def drain(loader):
         out.append((inputs, targets))
 
 
-def test_windows_follow_the_reference_rule_across_shard_boundaries(make_shards):
+@pytest.mark.parametrize("windows_per_step", [1, 3])
+def test_windows_follow_the_records_rule_and_drop_shard_tails(make_shards, windows_per_step):
     train_glob, _, (trains, _) = make_shards(train_sizes=(5_000, 3_000, 4_000), max_len=150)
     files = train_gpt.find_shards(train_glob, "training")
-    stream = np.concatenate(trains)
     seq_len = 256
-    expected = reference_windows(stream, seq_len)
-    loader = train_gpt.TrainBatches(files, seq_len, rank=0, world_size=1, vocab_size=50304)
+    expected = reference_windows(trains, seq_len, windows_per_step)
+    loader = train_gpt.TrainBatches(files, seq_len, rank=0, world_size=1, vocab_size=50304,
+                                    windows_per_step=windows_per_step)
     got = drain(loader)
     loader.close()
-    assert len(got) == len(expected) > 30
-    boundaries = np.cumsum([len(t) for t in trains])[:-1]
-    spanning = 0
-    for (inputs, targets), (start, window) in zip(got, expected):
+    assert len(got) == len(expected) > 20
+    assert len({shard for shard, _, _ in expected}) == 3  # every shard contributes
+    for (inputs, targets), (_, _, window) in zip(got, expected):
         assert inputs[0].item() == BOS
         assert torch.equal(inputs, torch.from_numpy(window[:-1]).long())
         assert torch.equal(targets, torch.from_numpy(window[1:]).long())
-        spanning += any(start < b < start + seq_len + 1 for b in boundaries)
-    assert spanning >= 1, "the data should make at least one window span a shard boundary"
-    # Exact accounting: the stream splits into window inputs and gaps; no token is read twice and
-    # a gap never holds a BOS, so only document tails are skipped, never a whole document.
-    starts = [start for start, _ in expected]
-    gaps = [b - (a + seq_len) for a, b in zip(starts, starts[1:])]
-    assert min(gaps) >= 0
-    for a, gap in zip(starts, gaps):
-        assert BOS not in stream[a + seq_len:a + seq_len + gap]
-    tail = len(stream) - (starts[-1] + seq_len)
-    assert starts[0] + len(starts) * seq_len + sum(gaps) + tail == len(stream)
+    # Inside a shard, the tokens skipped between windows hold no BOS: only document tails are
+    # skipped, never a whole document. A shard's tail is dropped only at a step boundary.
+    for i, ((shard_a, a, _), (shard_b, b, _)) in enumerate(zip(expected, expected[1:])):
+        if shard_a == shard_b:
+            assert b >= a + seq_len and BOS not in trains[shard_a][a + seq_len:b]
+        else:
+            assert (i + 1) % windows_per_step == 0
     assert loader.windows_taken == len(expected)
 
 
@@ -68,18 +72,19 @@ def test_windows_follow_the_reference_rule_across_shard_boundaries(make_shards):
 def test_ranks_split_the_same_windows_without_overlap(make_shards, world_size):
     train_glob, _, (trains, _) = make_shards(train_sizes=(6_000, 6_000))
     files = train_gpt.find_shards(train_glob, "training")
-    seq_len = 128
-    single = [x for x, _ in drain(train_gpt.TrainBatches(files, seq_len, 0, 1, 50304))]
-    per_rank = [[x for x, _ in drain(train_gpt.TrainBatches(files, seq_len, r, world_size, 50304))]
+    seq_len, per_step = 128, 2 * world_size
+    single = [x for x, _ in drain(train_gpt.TrainBatches(files, seq_len, 0, 1, 50304, windows_per_step=per_step))]
+    per_rank = [[x for x, _ in drain(train_gpt.TrainBatches(files, seq_len, r, world_size, 50304,
+                                                             windows_per_step=per_step))]
                 for r in range(world_size)]
     steps = len(single) // world_size
+    assert steps >= 10
     for step in range(steps):
         for r in range(world_size):
             assert torch.equal(per_rank[r][step], single[step * world_size + r])
     # windows are disjoint stretches of the stream: no two ranks read the same tokens
-    stream = np.concatenate(trains)
-    starts = [s for s, _ in reference_windows(stream, seq_len)]
-    assert all(b - a >= seq_len for a, b in zip(starts, starts[1:]))
+    starts = [(shard, start) for shard, start, _ in reference_windows(trains, seq_len, per_step)]
+    assert all(sb != sa or b - a >= seq_len for (sa, a), (sb, b) in zip(starts, starts[1:]))
 
 
 def test_running_out_of_data_says_what_to_do(make_shards):

@@ -8,18 +8,28 @@ import train_gpt
 from conftest import TINY
 
 
-def test_adam_matches_torch_adam():
+def test_adam_is_the_records_formula():
+    """The record's DistAdam: eps added to the uncorrected sqrt(v), step size
+    lr * sqrt(1 - beta2^t) / (1 - beta1^t). With eps = 0 that is torch's Adam; with eps > 0 it is
+    torch's Adam with eps / sqrt(1 - beta2^t), a different update early in training."""
     torch.manual_seed(0)
-    ours = torch.randn(5, 3)
-    ref = torch.nn.Parameter(ours.clone())
-    reference = torch.optim.Adam([ref], lr=0.01, betas=(0.8, 0.95), eps=1e-10)
-    m, v = torch.zeros_like(ours), torch.zeros_like(ours)
-    for step in range(1, 4):
-        grad = torch.randn(5, 3)
-        ref.grad = grad.clone()
-        reference.step()
-        train_gpt.adam_apply(ours, grad, m, v, 0.01, 0.8, 0.95, 1e-10, step)
-        torch.testing.assert_close(ours, ref.detach(), atol=1e-6, rtol=1e-6)
+    lr, b1, b2 = 0.01, 0.8, 0.95
+    for eps in (0.0, 0.05):
+        ours = torch.randn(5, 3)
+        expected = ours.clone()
+        ref = torch.nn.Parameter(ours.clone())
+        torch_adam = torch.optim.Adam([ref], lr=lr, betas=(b1, b2), eps=eps)
+        m, v = torch.zeros_like(ours), torch.zeros_like(ours)
+        em, ev = torch.zeros_like(ours), torch.zeros_like(ours)
+        for step in range(1, 4):
+            grad = torch.randn(5, 3) * 0.1
+            ref.grad = grad.clone()
+            torch_adam.step()
+            train_gpt.adam_apply(ours, grad, m, v, lr, b1, b2, eps, step)
+            em, ev = b1 * em + (1 - b1) * grad, b2 * ev + (1 - b2) * grad ** 2
+            expected -= lr * (1 - b2 ** step) ** 0.5 / (1 - b1 ** step) * em / (ev.sqrt() + eps)
+            torch.testing.assert_close(ours, expected, atol=1e-6, rtol=1e-6)
+        assert torch.allclose(ours, ref.detach(), atol=1e-6) == (eps == 0.0)
 
 
 def test_normuon_divides_columns_by_their_rms_and_keeps_the_norm():
