@@ -37,7 +37,6 @@ import math
 import os
 import platform
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -50,7 +49,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAINER = os.path.join(REPO_ROOT, "train_gpt.py")
 PHASES = ("env", "correct", "kernels", "train", "peer")
 # Seconds per phase on a GPU: env+correct+kernels, train, and peer each fit one 10-minute command.
-BUDGET_S = {"env": 45, "correct": 270, "kernels": 240, "train": 560, "peer": 540}
+BUDGET_S = {"env": 40, "correct": 250, "kernels": 220, "train": 530, "peer": 530}
 SMOKE_BUDGET_S = {"env": 60, "correct": 120, "kernels": 120, "train": 180, "peer": 60}
 STEADY_FROM = 20                     # steady ms/step is measured over steps STEADY_FROM..N
 SMOKE_STEADY_FROM = 2                # (tiny CPU runs: steps 2..N)
@@ -79,7 +78,7 @@ def parse_args(argv):
     p.add_argument("--steps", type=int, default=None, help="training steps of the main and peer runs (default 60; "
                    "24 with --cpu-smoke)")
     p.add_argument("--variant-steps", type=int, default=None,
-                   help="training steps of the runs of the other ns_methods (default min(steps, 40))")
+                   help="training steps of the runs of the other ns_methods (default min(steps, 30))")
     p.add_argument("--ns-methods", default=None,
                    help="ns_methods the train phase runs, the first for --steps (default: the trainer's default "
                         "first, then the others)")
@@ -87,7 +86,8 @@ def parse_args(argv):
     p.add_argument("--peer-replace", nargs=2, action="append", default=[], metavar=("OLD", "NEW"),
                    help="one more exact edit of the peer copy (OLD must occur once); listed in the report")
     p.add_argument("--budget", action="append", default=[], metavar="PHASE=SECONDS",
-                   help="time budget of one phase (defaults: " + ", ".join(f"{k}={v}" for k, v in BUDGET_S.items()) + ")")
+                   help="time budget of one phase (defaults: "
+                        + ", ".join(f"{k}={v}" for k, v in BUDGET_S.items()) + ")")
     p.add_argument("--cpu-smoke", action="store_true", help="every phase at tiny sizes on CPU (Triton interpreted)")
     p.add_argument("--merge", nargs="+", metavar="REPORT_JSON", help="merge these reports (later phases win) into "
                    "--out (default records/gpu_proof/<date>_<device>)")
@@ -113,7 +113,7 @@ def parse_args(argv):
     if opts.steps is None:
         opts.steps = 4 if opts.cpu_smoke else 60
     if opts.variant_steps is None:
-        opts.variant_steps = 3 if opts.cpu_smoke else min(opts.steps, 40)
+        opts.variant_steps = 3 if opts.cpu_smoke else min(opts.steps, 30)
     for name, value in (("--steps", opts.steps), ("--variant-steps", opts.variant_steps)):
         if value <= opts.steady_from:
             p.error(f"{name}={value}: must exceed {opts.steady_from} (steady ms/step is measured over steps "
@@ -163,7 +163,8 @@ def trainer_ns_methods():
 def run_proof(opts):
     out = os.path.abspath(opts.out)
     os.makedirs(os.path.join(out, "phases"), exist_ok=True)
-    settings = dict(steps=opts.steps, variant_steps=opts.variant_steps, steady_from=opts.steady_from, ns_methods=opts.ns_methods, peer=opts.peer,
+    settings = dict(steps=opts.steps, variant_steps=opts.variant_steps, steady_from=opts.steady_from,
+                    ns_methods=opts.ns_methods, peer=opts.peer,
                     peer_replace=opts.peer_replace, cpu_smoke=opts.cpu_smoke, budgets=opts.budgets)
     with open(os.path.join(out, "settings.json"), "w") as f:
         json.dump(settings, f, indent=1)
@@ -235,8 +236,9 @@ def new_phase_result(phase):
 class Recorder:
     """A phase's results, rewritten to disk after every change so a killed phase keeps what it did."""
 
-    def __init__(self, path, phase):
+    def __init__(self, path, phase, deadline=float("inf")):
         self.path = path
+        self.deadline = deadline
         self.data = new_phase_result(phase)
         self.flush()
 
@@ -269,8 +271,12 @@ class Recorder:
         self.flush()
 
     def attempt(self, what, fn, *args, **kwargs):
-        """Run one check; an exception is recorded with its traceback and the phase goes on."""
+        """Run one check; an exception is recorded with its traceback and the phase goes on. Once the
+        phase's budget is spent, the remaining checks are listed as not run."""
         start = time.time()
+        if start > self.deadline:
+            self.note(f"{what}: not run, the phase budget was spent")
+            return None
         try:
             return fn(*args, **kwargs)
         except Exception:  # noqa: BLE001 - every failure must end up in the report, whatever it is
@@ -297,8 +303,8 @@ class Recorder:
 def worker_main(phase, out):
     with open(os.path.join(out, "settings.json")) as f:
         settings = json.load(f)
-    rec = Recorder(os.path.join(out, "phases", f"{phase}.json"), phase)
     deadline = time.time() + settings["budgets"][phase] - 5
+    rec = Recorder(os.path.join(out, "phases", f"{phase}.json"), phase, deadline - 15)
     ctx = dict(settings, out=out, deadline=deadline, phase=phase)
     rec.attempt(phase, PHASE_FUNCTIONS[phase], rec, ctx)
     rec.finish()
@@ -732,7 +738,8 @@ def phase_kernels(rec, ctx):
     compiled = torch.compile(tg.orthogonalize_torch, backend="inductor" if cuda else "eager")
     dtype = torch.bfloat16 if cuda else torch.float32
     if not cuda:
-        rec.note("cpu smoke: shapes divided by 48, at most 2 matrices, one timed call, world size 8 only, torch.compile "
+        rec.note("cpu smoke: shapes divided by 48, at most 2 matrices, one timed call, world size 8 only, "
+                 "torch.compile "
                  "with the eager backend: the figures prove the code path, not a speed")
     table = rec.table("Orthogonalizing one rank's Muon stack: median ms per call (CUDA events, after warmup); "
                       "TFLOP/s counts the GEMM FLOPs each backend executes (symmetric kernels: half the Gram and "
@@ -969,7 +976,8 @@ def phase_train(rec, ctx):
              f"data, 1 process, {args.micro_batches} micro-batches of {args.train_seq_len} tokens per step; the lr "
              "and window schedules are compressed into N steps (so are the peer's); start-up = launch to the "
              f"first step (imports, data checks, compilation, {args.warmup_steps} warmup steps); steady ms/step = "
-             f"(train_time at step N - at step {ctx['steady_from']}) / (N - {ctx['steady_from']}); runs after the first reuse "
+             f"(train_time at step N - at step {ctx['steady_from']}) / (N - {ctx['steady_from']}); "
+             "runs after the first reuse "
              "its compilation caches, so their start-up is not comparable")
     methods = ctx["ns_methods"] or [args.ns_method] + [m for m in tg.NS_METHODS if m != args.ns_method]
     if smoke and not ctx["ns_methods"]:
@@ -981,8 +989,8 @@ def phase_train(rec, ctx):
         steps = ctx["steps"] if i == 0 else ctx["variant_steps"]
         remaining = ctx["deadline"] - time.time() - 5
         if remaining < (10 if smoke else 90):
-            rec.note(f"{method}: not run, {remaining:.0f} s of the phase budget left (run `--phases train "
-                     f"--ns-methods {method}` in another command)")
+            rec.note(f"{method}: not run, {remaining:.0f} s of the phase budget left (run `--phases env,train "
+                     f"--ns-methods {method}` in another command; --merge adds its run to these)")
             continue
         argv = base + ["--num_iterations", str(steps), "--val_tokens", str(val_tokens),
                        "--val_every", str(steps if i == 0 else 0), "--train_files", train_files,
@@ -1185,7 +1193,10 @@ def merge_reports(paths):
         raise ValueError(f"the reports come from different devices: {sorted(devices)}")
     phases, commands = {}, []
     for r in reports:
-        phases.update(r["phases"])
+        for name, phase in r["phases"].items():
+            if name == "train" and adds_runs(phases.get(name), phase):
+                phase = combine_train(phases[name], phase)
+            phases[name] = phase
         commands += r["commands"]
     phases = {name: phases[name] for name in PHASES if name in phases}
     merged = build_report(phases, commands, any(r.get("cpu_smoke") for r in reports))
@@ -1194,6 +1205,36 @@ def merge_reports(paths):
             merged["meta"][key] = merged["meta"].get(key) or value
     merged["created"] = min(r["created"] for r in reports)
     return merged
+
+
+STATUS_ORDER = ("ok", "skipped", "failed", "timeout", "crashed")
+
+
+def adds_runs(first, later):
+    """A later train phase adds to an earlier one whose main run succeeded when it ran other
+    ns_methods only; otherwise (a re-run after a fix, say) it replaces it."""
+    main = (first or {}).get("values", {}).get("main")
+    return bool(main) and main.get("exit") == 0 and f"run_{main.get('ns_method')}" not in later["values"]
+
+
+def combine_train(first, later):
+    """Train runs of two commands (say, an ns_method the first one's budget left out): all runs
+    listed, the first command's main run kept as the main run."""
+    combined = json.loads(json.dumps(first))
+    combined["values"].update({k: v for k, v in later["values"].items() if k != "main"})
+    for table in later["tables"]:
+        same = [t for t in combined["tables"] if t["title"] == table["title"]]
+        if same:
+            same[0]["rows"] += [["ns_method"] + row[1:] if row[0] == "main" else row for row in table["rows"]]
+        else:
+            combined["tables"].append(table)
+    for key in ("notes", "errors"):
+        combined[key] += [x for x in later[key] if x not in combined[key]]
+    for key in ("passed", "failed"):
+        combined["checks"][key] += later["checks"][key]
+    combined["seconds"] = (first.get("seconds") or 0) + (later.get("seconds") or 0)
+    combined["status"] = max(first["status"], later["status"], key=STATUS_ORDER.index)
+    return combined
 
 
 def main(argv=None):

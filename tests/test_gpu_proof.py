@@ -194,3 +194,22 @@ def test_merge_combines_commands_and_compares_with_the_peer(tmp_path):
     gpu_proof.write_report(str(tmp_path / "h200"), other)
     with pytest.raises(ValueError, match="different devices"):
         gpu_proof.merge_reports(paths + [str(tmp_path / "h200" / "report.json")])
+
+
+def test_merge_adds_a_later_train_run_and_keeps_the_first_main_run(tmp_path):
+    def train_report(method, steady):
+        phase = fake_phase("train", values={"main": dict(ns_method=method, steady_ms=steady, exit=0),
+                                            f"run_{method}": dict(steady_ms=steady)})
+        phase["tables"] = [{"title": "Training runs of train_gpt.py", "columns": ["run", "ns_method"],
+                            "rows": [["main", method]]}]
+        return gpu_proof.build_report({"train": phase}, [method], False)
+    paths = []
+    for i, report in enumerate((train_report("newton_schulz", 800.0), train_report("aol", 790.0))):
+        gpu_proof.write_report(str(tmp_path / str(i)), report)
+        paths.append(str(tmp_path / str(i) / "report.json"))
+    train = gpu_proof.merge_reports(paths)["phases"]["train"]
+    assert train["values"]["main"]["ns_method"] == "newton_schulz"
+    assert set(train["values"]) == {"main", "run_newton_schulz", "run_aol"}
+    assert train["tables"][0]["rows"] == [["main", "newton_schulz"], ["ns_method", "aol"]]
+    rerun = gpu_proof.merge_reports(paths[:1] + paths[:1])["phases"]["train"]   # the same method again: replaces
+    assert rerun["tables"][0]["rows"] == [["main", "newton_schulz"]]
