@@ -201,8 +201,12 @@ def run_phase_process(phase, out, budget, env):
             child.wait(timeout=budget + 20)   # the worker watches its own budget; this is the backstop
         except subprocess.TimeoutExpired:
             timed_out = True
-            os.killpg(child.pid, signal.SIGKILL)
-            child.wait()
+            os.killpg(child.pid, signal.SIGTERM)   # the worker ends the trainers it started, then itself
+            try:
+                child.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(child.pid, signal.SIGKILL)
+                child.wait()
     try:
         with open(json_path) as f:
             result = json.load(f)
@@ -275,6 +279,7 @@ class Recorder:
         phase's budget is spent, the remaining checks are listed as not run."""
         start = time.time()
         if start > self.deadline:
+            self.data["partial"] = True
             self.note(f"{what}: not run, the phase budget was spent")
             return None
         try:
@@ -295,18 +300,36 @@ class Recorder:
             self.data["status"] = "failed"
         elif self.data["skipped"]:
             self.data["status"] = "skipped"
+        elif self.data.get("partial"):
+            self.data["status"] = "partial"   # all that ran is fine, but the budget left something out
         else:
             self.data["status"] = "ok"
         self.flush()
 
 
+RUNNING = set()   # process groups of the trainers a worker has started and not yet reaped
+
+
+def end_running_and_exit(signum, frame):
+    for pgid in list(RUNNING):
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    sys.exit(128 + signum)
+
+
 def worker_main(phase, out):
+    signal.signal(signal.SIGTERM, end_running_and_exit)
     with open(os.path.join(out, "settings.json")) as f:
         settings = json.load(f)
     deadline = time.time() + settings["budgets"][phase] - 5
     rec = Recorder(os.path.join(out, "phases", f"{phase}.json"), phase, deadline - 15)
     ctx = dict(settings, out=out, deadline=deadline, phase=phase)
-    rec.attempt(phase, PHASE_FUNCTIONS[phase], rec, ctx)
+    try:
+        PHASE_FUNCTIONS[phase](rec, ctx)
+    except Exception:  # noqa: BLE001 - recorded in the report like any failed check
+        rec.data["errors"].append({"check": phase, "traceback": traceback.format_exc()})
     rec.finish()
     return 0
 
@@ -779,6 +802,7 @@ def phase_kernels(rec, ctx):
             row[8] = ns_triton / ms if ms and ns_triton and row[4] == "triton" else None
         rec.flush()
         if out_of_time:
+            rec.data["partial"] = True
             rec.note("stopped early: the phase budget was spent")
             break
     summary = rec.table("One rank's orthogonalization work per optimizer step (sum over its stacks)",
@@ -898,6 +922,7 @@ def run_logged(cmd, cwd, env, timeout, stdout_path):
     lines = []
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             errors="replace", start_new_session=True)
+    RUNNING.add(proc.pid)
 
     def reader():
         with open(stdout_path, "w") as f:
@@ -914,6 +939,7 @@ def run_logged(cmd, cwd, env, timeout, stdout_path):
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         status = "timeout"
+    RUNNING.discard(proc.pid)
     thread.join(timeout=10)
     return status, lines, time.time() - start
 
@@ -989,6 +1015,7 @@ def phase_train(rec, ctx):
         steps = ctx["steps"] if i == 0 else ctx["variant_steps"]
         remaining = ctx["deadline"] - time.time() - 5
         if remaining < (10 if smoke else 90):
+            rec.data["partial"] = True
             rec.note(f"{method}: not run, {remaining:.0f} s of the phase budget left (run `--phases env,train "
                      f"--ns-methods {method}` in another command; --merge adds its run to these)")
             continue
@@ -1207,7 +1234,7 @@ def merge_reports(paths):
     return merged
 
 
-STATUS_ORDER = ("ok", "skipped", "failed", "timeout", "crashed")
+STATUS_ORDER = ("ok", "skipped", "partial", "failed", "timeout", "crashed")
 
 
 def adds_runs(first, later):
