@@ -898,7 +898,9 @@ MEM_RE = re.compile(r"^peak memory allocated: (\d+) MiB reserved: (\d+) MiB")
 def parse_run_log(text, steady_from=STEADY_FROM):
     """Figures from a log in the speedrun's line format (ours and the public record's)."""
     steps, vals, memory = {}, {}, None
-    for line in text.splitlines():
+    lines = text.splitlines()
+    separators = [i for i, line in enumerate(lines) if line == "=" * 100]
+    for line in lines[separators[-1] + 1 if separators else 0:]:   # the output, after the header
         if m := STEP_RE.match(line):
             steps[int(m.group(1))] = float(m.group(3))
         elif m := VAL_RE.match(line):
