@@ -1,0 +1,1291 @@
+"""GPU proof in one command: turn a few minutes on one GPU into the evidence that every CUDA path
+of train_gpt.py works, and how fast it is.
+
+    python bench/gpu_proof.py --out DIR [--phases env,correct,kernels,train,peer] [--steps N]
+    python bench/gpu_proof.py --cpu-smoke --out DIR          # every phase at tiny sizes on CPU
+    python bench/gpu_proof.py --merge A/report.json B/report.json ... [--out DIR]
+
+writes DIR/report.md (tables to read) and DIR/report.json (the same figures). Phases:
+  env      versions of Python, torch, triton, CUDA and the driver; GPU name, SMs, memory
+  correct  each Triton kernel and each ns_method against the PyTorch twin on every Muon matrix
+           shape of the speedrun, in bf16, against an fp64 run (stated bounds); FlexAttention with
+           flex_block_mask against SDPA with dense_attention_mask, outputs and gradients; the FP8
+           head's forward and backward against bf16; graphs, recompiles and graph breaks of the
+           compiled blocks
+  kernels  ms and TFLOP/s of orthogonalizing the speedrun's Muon stacks (the work of one rank at
+           1 and at 8 GPUs), every ns_method on the Triton and on the torch.compile'd torch
+           backend, and the ratio to compiled torch Newton-Schulz
+  train    train_gpt.py, speedrun preset, 1 GPU (its micro-batches accumulated), N steps on a
+           timing dataset written here: start-up seconds, steady ms/step over steps 20..N, peak
+           memory, val loss at the start and the end, recompiles and graph breaks; then the
+           steady ms/step of each other ns_method
+  peer     the public record script (--peer PATH) on the same data for the same N steps, with only
+           num_iterations and val_tokens changed on a copy; the ratio ours / peer
+
+Each phase runs in its own process with its own time budget (--budget PHASE=SECONDS): a phase that
+fails, crashes or runs out of time records its traceback or log tail in the report and the others
+still run; a check that fails inside a phase does not stop the phase's other checks. Timings are
+benchmark figures, not pass/fail criteria. --merge combines the report.json files of several
+commands (say, one per phase group on the GPU machine) into one report.
+"""
+
+import argparse
+import datetime
+import hashlib
+import json
+import math
+import os
+import platform
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAINER = os.path.join(REPO_ROOT, "train_gpt.py")
+PHASES = ("env", "correct", "kernels", "train", "peer")
+# Seconds per phase on a GPU: env+correct+kernels, train, and peer each fit one 10-minute command.
+BUDGET_S = {"env": 40, "correct": 250, "kernels": 220, "train": 530, "peer": 530}
+SMOKE_BUDGET_S = {"env": 60, "correct": 120, "kernels": 120, "train": 180, "peer": 60}
+STEADY_FROM = 20                     # steady ms/step is measured over steps STEADY_FROM..N
+SMOKE_STEADY_FROM = 2                # (tiny CPU runs: steps 2..N)
+DEFAULT_PEER = os.path.join("peers", "modded-nanogpt_9d9dc969_train_gpt.py")  # git-ignored copy
+PEER_VAL_TOKENS = 256 * 1024         # the peer reads validation in multiples of 256Ki at world size 1
+RUN_VAL_TOKENS = 256 * 1024          # ours: one validation window of val_seq_len at start and end
+SMOKE_TRAINER_ARGV = ["--preset", "cpu", "--model_dim", "32", "--num_heads", "2", "--head_dim", "16",
+                      "--train_seq_len", "256", "--val_seq_len", "256", "--micro_batches", "2",
+                      "--warmup_steps", "1"]
+SMOKE_VAL_TOKENS = 512
+FP8_BOUNDS = {"logits": 0.08, "grad_x": 0.08, "grad_w": 0.08}  # e4m3/e5m2 round to 2^-4/2^-3: ~4% expected
+
+
+# -----------------------------------------------------------------------------------------------
+# Command line
+
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def parse_args(argv):
+    p = OneLineParser(prog="gpu_proof.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", help="folder for report.md, report.json, data and logs (must not hold a report yet)")
+    p.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated subset of {','.join(PHASES)}")
+    p.add_argument("--steps", type=int, default=None, help="training steps of the main and peer runs (default 60; "
+                   "24 with --cpu-smoke)")
+    p.add_argument("--variant-steps", type=int, default=None,
+                   help="training steps of the runs of the other ns_methods (default min(steps, 30))")
+    p.add_argument("--ns-methods", default=None,
+                   help="ns_methods the train phase runs, the first for --steps (default: the trainer's default "
+                        "first, then the others)")
+    p.add_argument("--peer", default=None, help=f"the public record script (default {DEFAULT_PEER} when it exists)")
+    p.add_argument("--peer-replace", nargs=2, action="append", default=[], metavar=("OLD", "NEW"),
+                   help="one more exact edit of the peer copy (OLD must occur once); listed in the report")
+    p.add_argument("--budget", action="append", default=[], metavar="PHASE=SECONDS",
+                   help="time budget of one phase (defaults: "
+                        + ", ".join(f"{k}={v}" for k, v in BUDGET_S.items()) + ")")
+    p.add_argument("--cpu-smoke", action="store_true", help="every phase at tiny sizes on CPU (Triton interpreted)")
+    p.add_argument("--merge", nargs="+", metavar="REPORT_JSON", help="merge these reports (later phases win) into "
+                   "--out (default records/gpu_proof/<date>_<device>)")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    opts = p.parse_args(argv)
+
+    if opts.worker:
+        return opts
+    if opts.merge:
+        for path in opts.merge:
+            if not os.path.isfile(path):
+                p.error(f"--merge: {path}: no such file")
+        return opts
+    if not opts.out:
+        p.error("--out DIR is required")
+    phases = [x.strip() for x in opts.phases.split(",") if x.strip()]
+    unknown = [x for x in phases if x not in PHASES]
+    if unknown or not phases:
+        p.error(f"--phases={opts.phases!r}: unknown phase {unknown[0] if unknown else '(none)'}; "
+                f"expected a subset of {','.join(PHASES)}")
+    opts.phases = [x for x in PHASES if x in phases]
+    opts.steady_from = SMOKE_STEADY_FROM if opts.cpu_smoke else STEADY_FROM
+    if opts.steps is None:
+        opts.steps = 4 if opts.cpu_smoke else 60
+    if opts.variant_steps is None:
+        opts.variant_steps = 3 if opts.cpu_smoke else min(opts.steps, 30)
+    for name, value in (("--steps", opts.steps), ("--variant-steps", opts.variant_steps)):
+        if value <= opts.steady_from:
+            p.error(f"{name}={value}: must exceed {opts.steady_from} (steady ms/step is measured over steps "
+                    f"{opts.steady_from}..N)")
+    budgets = dict(SMOKE_BUDGET_S if opts.cpu_smoke else BUDGET_S)
+    for item in opts.budget:
+        name, _, value = item.partition("=")
+        if name not in PHASES or not value.replace(".", "", 1).isdigit() or float(value) <= 0:
+            p.error(f"--budget={item!r}: expected PHASE=SECONDS with PHASE one of {','.join(PHASES)}")
+        budgets[name] = float(value)
+    opts.budgets = budgets
+    if opts.ns_methods is not None:
+        opts.ns_methods = [x.strip() for x in opts.ns_methods.split(",") if x.strip()]
+        known = trainer_ns_methods()
+        bad = [m for m in opts.ns_methods if m not in known]
+        if bad or not opts.ns_methods:
+            p.error(f"--ns-methods: unknown method {bad[0] if bad else '(none)'}; expected some of {','.join(known)}")
+    if opts.peer is not None and not os.path.isfile(opts.peer):
+        p.error(f"--peer={opts.peer}: no such file")
+    if opts.peer is None and os.path.isfile(os.path.join(REPO_ROOT, DEFAULT_PEER)):
+        opts.peer = os.path.join(REPO_ROOT, DEFAULT_PEER)
+    if "peer" in opts.phases and opts.peer is None and not opts.cpu_smoke:
+        p.error(f"--phases includes peer but no peer script was given and {DEFAULT_PEER} does not exist: copy "
+                "../shared/peers/modded-nanogpt_9d9dc969_train_gpt.py there or pass --peer PATH")
+    if opts.peer:
+        opts.peer = os.path.abspath(opts.peer)
+    if os.path.exists(os.path.join(opts.out, "report.json")):
+        p.error(f"--out={opts.out}: {os.path.join(opts.out, 'report.json')} exists; choose a new folder")
+    parent = os.path.abspath(opts.out)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        p.error(f"--out={opts.out}: {parent} is not a writable folder")
+    return opts
+
+
+def trainer_ns_methods():
+    """The trainer's ns_methods, read from its source (no import: torch is slow to load)."""
+    text = open(TRAINER).read()
+    match = re.search(r"^NS_METHODS\s*=\s*\(([^)]*)\)", text, re.M)
+    return re.findall(r"[\"'](\w+)[\"']", match.group(1)) if match else ["aol", "polar_express", "newton_schulz"]
+
+
+# -----------------------------------------------------------------------------------------------
+# Orchestration: one process per phase, each with its own time budget
+
+def run_proof(opts):
+    out = os.path.abspath(opts.out)
+    os.makedirs(os.path.join(out, "phases"), exist_ok=True)
+    settings = dict(steps=opts.steps, variant_steps=opts.variant_steps, steady_from=opts.steady_from,
+                    ns_methods=opts.ns_methods, peer=opts.peer,
+                    peer_replace=opts.peer_replace, cpu_smoke=opts.cpu_smoke, budgets=opts.budgets)
+    with open(os.path.join(out, "settings.json"), "w") as f:
+        json.dump(settings, f, indent=1)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if opts.cpu_smoke:
+        env["TRITON_INTERPRET"] = "1"   # before train_gpt defines its kernels
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    phases = {}
+    for phase in opts.phases:
+        budget = opts.budgets[phase]
+        print(f"[gpu_proof] {phase}: running (budget {budget:.0f} s)", flush=True)
+        phases[phase] = run_phase_process(phase, out, budget, env)
+        result = phases[phase]
+        print(f"[gpu_proof] {phase}: {result['status']} in {result.get('seconds', 0):.0f} s "
+              f"({result['checks']['passed']} checks passed, {result['checks']['failed']} failed, "
+              f"{len(result['errors'])} errors)", flush=True)
+    report = build_report(phases, [" ".join(["python", "bench/gpu_proof.py"] + sys.argv[1:])], opts.cpu_smoke)
+    write_report(out, report)
+    print(f"[gpu_proof] wrote {os.path.join(out, 'report.md')} and report.json", flush=True)
+    return 0 if all(p["status"] in ("ok", "skipped") for p in phases.values()) else 1
+
+
+def run_phase_process(phase, out, budget, env):
+    """Run one phase in a child process; kill its whole process group when the budget is spent."""
+    log_path = os.path.join(out, "phases", f"{phase}.log")
+    json_path = os.path.join(out, "phases", f"{phase}.json")
+    start = time.time()
+    with open(log_path, "w") as log:
+        child = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", phase, "--out", out],
+                                 stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT,
+                                 start_new_session=True)
+        timed_out = False
+        try:
+            child.wait(timeout=budget + 20)   # the worker watches its own budget; this is the backstop
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            os.killpg(child.pid, signal.SIGTERM)   # the worker ends the trainers it started, then itself
+            try:
+                child.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(child.pid, signal.SIGKILL)
+                child.wait()
+    try:
+        with open(json_path) as f:
+            result = json.load(f)
+    except (OSError, ValueError):
+        result = new_phase_result(phase)
+    result["seconds"] = round(time.time() - start, 1)
+    if timed_out:
+        result["status"] = "timeout"
+        result["notes"].append(f"killed after its budget of {budget:.0f} s; figures above are what it finished")
+    elif child.returncode != 0 or result["status"] == "running":
+        result["status"] = "crashed"
+        result["notes"].append(f"the phase process exited with status {child.returncode}")
+    if result["status"] in ("timeout", "crashed"):
+        result["errors"].append({"check": "phase process (log tail)", "traceback": tail(log_path, 60)})
+    return result
+
+
+def tail(path, lines):
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def new_phase_result(phase):
+    return {"phase": phase, "status": "running", "skipped": None, "values": {}, "tables": [], "notes": [],
+            "errors": [], "checks": {"passed": 0, "failed": 0}}
+
+
+class Recorder:
+    """A phase's results, rewritten to disk after every change so a killed phase keeps what it did."""
+
+    def __init__(self, path, phase, deadline=float("inf")):
+        self.path = path
+        self.deadline = deadline
+        self.data = new_phase_result(phase)
+        self.flush()
+
+    def flush(self):
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.data, f, indent=1, default=str)
+        os.replace(tmp, self.path)
+
+    def value(self, key, value):
+        self.data["values"][key] = value
+        self.flush()
+
+    def note(self, text):
+        self.data["notes"].append(text)
+        self.flush()
+
+    def table(self, title, columns):
+        table = {"title": title, "columns": list(columns), "rows": []}
+        self.data["tables"].append(table)
+        self.flush()
+        return table
+
+    def row(self, table, values, ok=None):
+        """Add a row; ok (True/False) counts it as a passed or failed check and fills the 'ok' column."""
+        if ok is not None:
+            self.data["checks"]["passed" if ok else "failed"] += 1
+            values = list(values) + ["yes" if ok else "**NO**"]
+        table["rows"].append(values)
+        self.flush()
+
+    def attempt(self, what, fn, *args, **kwargs):
+        """Run one check; an exception is recorded with its traceback and the phase goes on. Once the
+        phase's budget is spent, the remaining checks are listed as not run."""
+        start = time.time()
+        if start > self.deadline:
+            self.data["partial"] = True
+            self.note(f"{what}: not run, the phase budget was spent")
+            return None
+        try:
+            return fn(*args, **kwargs)
+        except Exception:  # noqa: BLE001 - every failure must end up in the report, whatever it is
+            self.data["errors"].append({"check": what, "traceback": traceback.format_exc()})
+            return None
+        finally:
+            self.data.setdefault("seconds_by_step", {})[what] = round(time.time() - start, 1)
+            self.flush()
+
+    def skip(self, reason):
+        self.data["skipped"] = reason
+        self.flush()
+
+    def finish(self):
+        if self.data["errors"] or self.data["checks"]["failed"]:
+            self.data["status"] = "failed"
+        elif self.data["skipped"]:
+            self.data["status"] = "skipped"
+        elif self.data.get("partial"):
+            self.data["status"] = "partial"   # all that ran is fine, but the budget left something out
+        else:
+            self.data["status"] = "ok"
+        self.flush()
+
+
+RUNNING = set()   # process groups of the trainers a worker has started and not yet reaped
+
+
+def end_running_and_exit(signum, frame):
+    for pgid in list(RUNNING):
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    sys.exit(128 + signum)
+
+
+def worker_main(phase, out):
+    signal.signal(signal.SIGTERM, end_running_and_exit)
+    with open(os.path.join(out, "settings.json")) as f:
+        settings = json.load(f)
+    deadline = time.time() + settings["budgets"][phase] - 5
+    rec = Recorder(os.path.join(out, "phases", f"{phase}.json"), phase, deadline - 15)
+    ctx = dict(settings, out=out, deadline=deadline, phase=phase)
+    try:
+        PHASE_FUNCTIONS[phase](rec, ctx)
+    except Exception:  # noqa: BLE001 - recorded in the report like any failed check
+        rec.data["errors"].append({"check": phase, "traceback": traceback.format_exc()})
+    rec.finish()
+    return 0
+
+
+# -----------------------------------------------------------------------------------------------
+# Shared helpers for phases (imported lazily: torch and train_gpt load only inside workers)
+
+def import_trainer():
+    if REPO_ROOT not in sys.path:
+        sys.path.insert(0, REPO_ROOT)
+    import train_gpt
+    return train_gpt
+
+
+def file_sha256(path):
+    return hashlib.sha256(open(path, "rb").read()).hexdigest()
+
+
+def rel_err(out, ref):
+    """||out - ref||_F / ||ref||_F in fp64; NaN or inf anywhere gives inf (never passes)."""
+    out, ref = out.double(), ref.double()
+    if not bool(out.isfinite().all()):
+        return float("inf")
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-300))
+
+
+def twin_bound(twin_err, dtype_name):
+    """A kernel passes when it is as accurate as the PyTorch twin at the same precision, both measured
+    against fp64: error <= 1.5 x the twin's + a floor of about one rounding step."""
+    return 1.5 * twin_err + (1e-3 if dtype_name == "bfloat16" else 1e-5)
+
+
+def fmt(x):
+    if isinstance(x, float):
+        if math.isinf(x) or math.isnan(x):
+            return str(x)
+        if x == 0:
+            return "0"
+        if abs(x) >= 1000:
+            return f"{x:.0f}"
+        return f"{x:.4g}" if abs(x) >= 1e-3 else f"{x:.2e}"
+    return "" if x is None else str(x)
+
+
+def speedrun_args(tg, extra=()):
+    return tg.parse_config(["--preset", "speedrun", *extra], {}, world_size=1, cuda_available=True)
+
+
+def muon_layout(tg, torch):
+    """The speedrun's Muon matrices: their stored shapes, and per wide shape (rows <= cols) the number
+    of matrices one rank orthogonalizes at world sizes 1 and 8, read from ShardedMuonAdam's state on
+    the meta device (the momentum stacks), or computed from the bucket rule if that fails."""
+    import dataclasses
+    args = speedrun_args(tg)
+    hw = dataclasses.replace(tg.Hardware.detect(args), device=torch.device("meta"))
+    with torch.device("meta"):
+        model = tg.GPT(args, hw)
+    specs = [s for s in tg.param_specs(model, args) if s.optimizer == "muon"]
+    stored = sorted({tuple(s.param.shape[-2:]) for s in specs})
+    counts = {}
+    for s in specs:
+        rows, cols = s.param.shape[-2:]
+        wide = (min(rows, cols), max(rows, cols))
+        counts[wide] = counts.get(wide, 0) + math.prod(s.param.shape[:-2])
+    per_rank, source = {}, "ShardedMuonAdam.state_tensors() on the meta device"
+    for world in (1, 8):
+        try:
+            ranks = tg.Ranks.from_env({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(world),
+                                       "LOCAL_WORLD_SIZE": str(world)})
+            opt = tg.ShardedMuonAdam(tg.param_specs(model, args), args, ranks, hw)
+            found = {}
+            for t in opt.state_tensors():
+                if t.ndim == 3 and tuple(t.shape[1:]) in counts:
+                    found[tuple(t.shape[1:])] = found.get(tuple(t.shape[1:]), 0) + t.shape[0]
+            if set(found) != set(counts):
+                raise RuntimeError(f"momentum stacks {found} do not cover the Muon shapes {counts}")
+        except Exception as e:  # noqa: BLE001 - fall back to the documented bucket rule
+            source = f"computed from the bucket rule ({type(e).__name__}: {str(e)[:80]})"
+            bucket = world * -(-args.muon_bucket_matrices // world)
+            found = {shape: sum(-(-min(bucket, n - i) // world) for i in range(0, n, bucket))
+                     for shape, n in counts.items()}
+        per_rank[world] = found
+    return dict(stored=stored, counts=counts, per_rank=per_rank, source=source)
+
+
+def smoke_dim(d):
+    return d // 48 if d >= 96 else d
+
+
+def ns_steps(tg, method):
+    try:
+        return len(tg.default_coeffs(method))
+    except AttributeError:
+        return {"aol": 4}.get(method, 5)
+
+
+def orthogonalize_flops(m, n, steps, symmetric):
+    """GEMM FLOPs per matrix on the wide orientation: Gram 2m^2n, A@A 2m^3, B@X 2m^2n per step;
+    the symmetric kernels compute half of the Gram and of A@A."""
+    m, n = min(m, n), max(m, n)
+    return steps * ((3 * m * m * n + m ** 3) if symmetric else (4 * m * m * n + 2 * m ** 3))
+
+
+# -----------------------------------------------------------------------------------------------
+# Phase env
+
+def phase_env(rec, ctx):
+    import torch
+    rec.value("python", sys.version.split()[0])
+    rec.value("platform", platform.platform())
+    rec.value("torch", torch.__version__)
+    rec.value("torch_cuda", torch.version.cuda)
+    try:
+        import triton
+        rec.value("triton", triton.__version__)
+    except ImportError:
+        rec.value("triton", "not installed")
+    rec.value("cpu_count", os.cpu_count())
+    rec.value("train_gpt_sha256", file_sha256(TRAINER))
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True,
+                                timeout=10).stdout.strip()
+        rec.value("git_commit", commit or "not a git checkout")
+    except (OSError, subprocess.SubprocessError):
+        rec.value("git_commit", "git unavailable")
+    if ctx["cpu_smoke"] or not torch.cuda.is_available():
+        rec.value("device", "cpu")
+        if not ctx["cpu_smoke"]:
+            rec.note("no CUDA device: the GPU phases will fail or skip")
+        return
+    props = torch.cuda.get_device_properties(0)
+    rec.value("device", props.name)
+    rec.value("capability", f"{props.major}.{props.minor}")
+    rec.value("sm_count", props.multi_processor_count)
+    rec.value("memory_gib", round(props.total_memory / 2 ** 30, 1))
+    rec.value("cudnn", torch.backends.cudnn.version())
+    try:
+        query = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,clocks.max.sm,power.limit",
+                                "--format=csv,noheader"], capture_output=True, text=True, timeout=30).stdout.strip()
+        rec.value("driver_maxclock_powerlimit", query)
+    except (OSError, subprocess.SubprocessError) as e:
+        rec.value("driver_maxclock_powerlimit", f"nvidia-smi unavailable ({e})")
+
+
+# -----------------------------------------------------------------------------------------------
+# Phase correct
+
+def phase_correct(rec, ctx):
+    import torch
+    tg = import_trainer()
+    cuda = not ctx["cpu_smoke"]
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    seed = int(time.time()) % 100000
+    torch.manual_seed(seed)
+    rec.value("seed", seed)
+    rec.value("dtype", str(dtype).removeprefix("torch."))
+    layout = rec.attempt("Muon layout", muon_layout, tg, torch)
+    stored = [(768, 768), (768, 3072), (6, 12)] if layout is None else layout["stored"]
+    stored = sorted(set(stored) | {(768, 768), (768, 3072), (6, 12)})
+    if not cuda:
+        stored = sorted({(smoke_dim(r), smoke_dim(c)) for r, c in stored})
+        rec.note("cpu smoke: shapes divided by 48 (768 -> 16), fp32, Triton under its interpreter")
+    rec.value("muon_shapes", [f"{r}x{c}" for r, c in stored])
+    wide = sorted({(min(s), max(s)) for s in stored})
+    batch = 4 if cuda else 2
+    dname = str(dtype).removeprefix("torch.")
+
+    kernels = rec.table(f"Triton kernels vs the PyTorch twin ({dname}), relative Frobenius error against fp64 "
+                        "on the same inputs; bound = 1.5 x twin + floor",
+                        ["kernel", "shape (batch)", "triton err", "twin err", "bound", "ok"])
+    for m, n in wide:
+        rec.attempt(f"kernels {m}x{n}", check_kernels, rec, kernels, tg, torch, (batch, m, n), device, dtype)
+
+    ortho = rec.table(f"orthogonalize_triton vs orthogonalize_torch ({dname}), relative error against the "
+                      "fp64 twin; bound = 1.5 x twin + floor",
+                      ["ns_method", "shape (batch)", "triton err", "twin err", "triton vs twin", "bound", "ok"])
+    for r, c in stored:
+        for method in tg.NS_METHODS:
+            rec.attempt(f"orthogonalize {method} {r}x{c}", check_orthogonalize, rec, ortho, tg, torch,
+                        (batch, r, c), method, device, dtype)
+
+    rec.attempt("attention", check_attention, rec, tg, torch, cuda)
+    if cuda:
+        rec.attempt("fp8 head", check_fp8, rec, tg, torch)
+    else:
+        rec.note("FP8 head: skipped: needs CUDA")
+    rec.attempt("compile counts", check_compile, rec, tg, torch, cuda)
+
+
+def check_kernels(rec, table, tg, torch, shape, device, dtype):
+    batch, m, n = shape
+    dname = str(dtype).removeprefix("torch.")
+    where = f"{m}x{n} ({batch})"
+    G = torch.randn(shape, device=device)
+    X = (G / G.norm(dim=(-2, -1), keepdim=True)).to(dtype)   # an iterate: ||X|| <= 1, as in the loop
+    X64 = X.double()
+    a, b, c = 3.4445, -4.7750, 2.0315
+
+    def poisoned(*size):
+        return torch.full(size, float("nan"), device=device, dtype=dtype)
+
+    # gram: A = X X^T (and the fp32 row sums of |A| that AOL reads)
+    A_ref = X64 @ X64.mT
+    A_tri, sums = tg.gram_triton(X, with_row_abs_sum=True, out=poisoned(batch, m, m))
+    A_twin = X @ X.mT
+    err, twin = rel_err(A_tri, A_ref), rel_err(A_twin, A_ref)
+    rec.row(table, ["gram", where, err, twin, twin_bound(twin, dname)], ok=err <= twin_bound(twin, dname))
+    sums_err = rel_err(sums, A_ref.abs().sum(-1))
+    rec.row(table, ["gram row |A| sums (fp32)", where, sums_err, None, 1e-3 if dname == "bfloat16" else 1e-5],
+            ok=sums_err <= (1e-3 if dname == "bfloat16" else 1e-5))
+
+    # sym_poly: B = b A' + c A' A', A' = diag(s) A diag(s), with and without the first step's scale
+    A = A_tri
+    s = torch.rsqrt(A.float().abs().sum(-1).clamp_min(1e-30))    # AOL's row scale
+    for scaled in (False, True):
+        A64 = A.double() * (s.double()[:, :, None] * s.double()[:, None, :] if scaled else 1.0)
+        ref = b * A64 + c * A64 @ A64
+        tri = tg.sym_poly_triton(A, b, c, scale=s if scaled else None, out=poisoned(batch, m, m))
+        A_in = (A.float() * s[:, :, None] * s[:, None, :]).to(dtype) if scaled else A
+        twin_out = torch.baddbmm(A_in, A_in, A_in, beta=b, alpha=c)
+        err, twin = rel_err(tri, ref), rel_err(twin_out, ref)
+        rec.row(table, ["sym_poly" + (" scaled" if scaled else ""), where, err, twin, twin_bound(twin, dname)],
+                ok=err <= twin_bound(twin, dname))
+
+    # poly_apply: X' = a X + B X, with and without the row scale
+    B = tg.sym_poly_triton(A, b, c)
+    for scaled in (False, True):
+        X_in64 = X64 * (s.double()[:, :, None] if scaled else 1.0)
+        ref = a * X_in64 + B.double() @ X_in64
+        tri = tg.poly_apply_triton(B, X, a, row_scale=s if scaled else None, out=poisoned(batch, m, n))
+        X_in = (X.float() * s[:, :, None]).to(dtype) if scaled else X
+        twin_out = torch.baddbmm(X_in, B, X_in, beta=a, alpha=1.0)
+        err, twin = rel_err(tri, ref), rel_err(twin_out, ref)
+        rec.row(table, ["poly_apply" + (" scaled" if scaled else ""), where, err, twin, twin_bound(twin, dname)],
+                ok=err <= twin_bound(twin, dname))
+
+
+def check_orthogonalize(rec, table, tg, torch, shape, method, device, dtype):
+    dname = str(dtype).removeprefix("torch.")
+    G = torch.randn(shape, device=device).to(dtype)
+    ref = tg.orthogonalize_torch(G.double(), method)
+    tri = tg.orthogonalize_triton(G, method)
+    twin = tg.orthogonalize_torch(G, method)
+    err, twin_err = rel_err(tri, ref), rel_err(twin, ref)
+    bound = twin_bound(twin_err, dname)
+    rec.row(table, [method, f"{shape[1]}x{shape[2]} ({shape[0]})", err, twin_err, rel_err(tri, twin), bound],
+            ok=err <= bound and tuple(tri.shape) == tuple(shape))
+
+
+def doc_tokens(torch, T, n_docs, generator, device):
+    """T random tokens in n_docs documents (a BOS at each start, the first at position 0)."""
+    tokens = torch.randint(0, 50000, (T,), generator=generator)
+    starts = torch.randperm(T - 1, generator=generator)[:n_docs - 1] + 1
+    tokens[starts] = 50256
+    tokens[0] = 50256
+    return tokens.to(device)
+
+
+def reference_attention(q, k, v, allowed, scale):
+    scores = (q @ k.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return scores.softmax(-1) @ v
+
+
+def check_attention(rec, tg, torch, cuda):
+    """FlexAttention with the trainer's BlockMask against SDPA with its dense mask, outputs and
+    gradients, both against a reference in higher precision on the same (rounded) inputs."""
+    import torch.nn.functional as F
+    from torch.nn.attention.flex_attention import flex_attention
+    gen = torch.Generator().manual_seed(int(time.time()))
+    if cuda:
+        device, dtype, ref_dtype = torch.device("cuda"), torch.bfloat16, torch.float32
+        T, block, H, D, n_docs = 6144, 128, 6, 128, 9
+        flex = torch.compile(flex_attention, dynamic=False)
+    else:
+        device, dtype, ref_dtype = torch.device("cpu"), torch.float32, torch.float64
+        T, block, H, D, n_docs = 256, 32, 2, 16, 4
+        flex = flex_attention   # eager: FlexAttention has a CPU forward but no CPU backward
+    tokens = doc_tokens(torch, T, n_docs, gen, device)
+    table = rec.table(f"FlexAttention (BlockMask) and SDPA (dense mask) vs a {str(ref_dtype)[6:]} reference: "
+                      f"{T} tokens, {n_docs} documents, {H} heads of {D}, blocks of {block}; "
+                      "bound = 2 x SDPA's error + 1e-3",
+                      ["window (blocks)", "tensor", "flex err", "sdpa err", "bound", "ok"])
+    scale = 0.12
+    for window in (1, T // block // 4, T // block):
+        w = torch.tensor(window, device=device)
+        q, k, v = (torch.randn(1, H, T, D, generator=gen).to(device, dtype) for _ in range(3))
+        dy = torch.randn(1, H, T, D, generator=gen).to(device, dtype)
+        allowed = tg.dense_attention_mask(tokens, w, block)
+        ref_in = [t.to(ref_dtype).requires_grad_() for t in (q, k, v)]
+        ref_out = reference_attention(*ref_in, allowed, scale)
+        ref_grads = torch.autograd.grad(ref_out, ref_in, dy.to(ref_dtype))
+        sd_in = [t.clone().requires_grad_() for t in (q, k, v)]
+        sd_out = F.scaled_dot_product_attention(*sd_in, attn_mask=allowed, scale=scale)
+        sd_grads = torch.autograd.grad(sd_out, sd_in, dy)
+        block_mask = tg.flex_block_mask(tokens, w, block)
+        if cuda:
+            fx_in = [t.clone().requires_grad_() for t in (q, k, v)]
+            fx_out = flex(*fx_in, block_mask=block_mask, scale=scale)
+            fx_grads = torch.autograd.grad(fx_out, fx_in, dy)
+        else:
+            with torch.no_grad():
+                fx_out = flex(q, k, v, block_mask=block_mask, scale=scale)
+            fx_grads = (None, None, None)
+        for name, fx, sd, ref in zip(("output", "grad q", "grad k", "grad v"), (fx_out, *fx_grads),
+                                     (sd_out, *sd_grads), (ref_out, *ref_grads)):
+            sd_err = rel_err(sd, ref)
+            bound = 2 * sd_err + 1e-3
+            if fx is None:
+                rec.row(table, [window, name, "n/a (no CPU backward)", sd_err, None, ""])
+                continue
+            fx_err = rel_err(fx, ref)
+            rec.row(table, [window, name, fx_err, sd_err, bound], ok=fx_err <= bound)
+
+
+def fp8_head_matmul(tg, x, w):
+    """The trainer's FP8 head product x @ w.T, in whichever form the trainer has it: the custom op
+    with static scales (fp8_matmul + FP8_HEAD_SCALES) or the autograd.Function FP8Matmul."""
+    if hasattr(tg, "fp8_matmul") and hasattr(tg, "FP8_HEAD_SCALES"):
+        out = tg.fp8_matmul(x, w, *tg.FP8_HEAD_SCALES)
+    else:
+        out = tg.FP8Matmul.apply(x, w)
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def check_fp8(rec, tg, torch):
+    import torch.nn.functional as F
+    T, D, V = 8192, 768, 50304
+    gen = torch.Generator().manual_seed(int(time.time()))
+    x0 = F.rms_norm(torch.randn(T, D, generator=gen), (D,)).cuda().bfloat16()   # the head's input is normed
+    w0 = (0.02 * torch.randn(V, D, generator=gen)).cuda()                         # fp32 master weight
+    targets = torch.randint(0, V, (T,), generator=gen).cuda()
+    form = "fp8_matmul custom op, static scales" if hasattr(tg, "fp8_matmul") else "FP8Matmul autograd.Function"
+    rec.value("fp8_form", form)
+
+    def run(kind):
+        x = (x0.float() if kind == "fp32" else x0).clone().requires_grad_()
+        w = w0.clone().requires_grad_()
+        if kind == "fp8":
+            logits = fp8_head_matmul(tg, x, w)
+        else:
+            logits = F.linear(x, w.to(x.dtype))
+        loss = F.cross_entropy(30 * torch.sigmoid(logits.float() / 7.5), targets, reduction="sum")
+        loss.backward()
+        return logits.float(), x.grad.float(), w.grad.float()
+
+    ref = run("fp32")
+    fp8, bf16 = run("fp8"), run("bf16")
+    table = rec.table(f"FP8 head ({form}) vs bf16, relative error against fp32: {T} tokens x {D} -> {V}, "
+                      "loss = cross-entropy (sum) of the soft-capped logits",
+                      ["tensor", "fp8 err", "bf16 err", "bound", "ok"])
+    for name, f8, b16, r in zip(("logits", "grad_x", "grad_w"), fp8, bf16, ref):
+        err = rel_err(f8, r)
+        rec.row(table, [name, err, rel_err(b16, r), FP8_BOUNDS[name]], ok=err <= FP8_BOUNDS[name])
+
+
+def compile_counts(tg, torch, argv, cuda, backend):
+    """Graphs, graph breaks and eager fallbacks of model.compile_regions(): round 1 is a training
+    micro-step and a validation forward; round 2 repeats both at a later step's window size."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    args = tg.parse_config(argv, {}, world_size=1, cuda_available=cuda)
+    hw = tg.Hardware.detect(args)
+    torch._dynamo.reset()
+    counters.clear()
+    model = tg.GPT(args, hw).to(hw.device)
+    model.compile_regions(backend=backend)
+    gen = torch.Generator().manual_seed(0)
+    graphs = []
+    try:
+        for step in (0, args.num_iterations // 2):
+            window = torch.tensor(tg.long_window_blocks_at(step, args), device=hw.device)
+            model.train()
+            tokens = doc_tokens(torch, args.train_seq_len + 1, 8, gen, hw.device)
+            model.head(model.trunk(tokens[:-1], window), tokens[1:]).sum().backward()
+            model.zero_grad(set_to_none=True)
+            model.eval()
+            with torch.no_grad():
+                tokens = doc_tokens(torch, args.val_seq_len + 1, 8, gen, hw.device)
+                model.head(model.trunk(tokens[:-1], window), tokens[1:])
+            graphs.append(counters["stats"]["unique_graphs"])
+        breaks = sum(counters["graph_break"].values())
+        fallbacks = [r for r in counters["unimplemented"] if "recompile" in r.lower()]
+    finally:
+        torch._dynamo.reset()
+    return dict(graphs_round1=graphs[0], new_graphs_round2=graphs[1] - graphs[0], graph_breaks=breaks,
+                eager_fallbacks=len(fallbacks), hw=f"{hw.device.type}, {hw.attention}, fp8={hw.fp8_head}")
+
+
+def check_compile(rec, tg, torch, cuda):
+    layout = ["--preset", "speedrun"]
+    if not cuda:   # the smoke run proves the code path on a 4-block layout (fewer graphs to trace)
+        layout += ["--num_layers", "4", "--window_pattern", "LSSL", "--attention_free_layers", "2",
+                   "--num_value_embeds", "1"]
+    cpu_argv = layout + ["--device", "cpu", "--model_dim", "64", "--num_heads", "2", "--head_dim", "32",
+                         "--train_seq_len", "256", "--val_seq_len", "512"]
+    expected = compile_counts(tg, torch, cpu_argv, False, "aot_eager" if cuda else "eager")
+    if cuda:
+        measured = compile_counts(tg, torch, layout + ["--train_seq_len", "4096", "--val_seq_len", "8192"], True,
+                                  "aot_eager")
+    else:
+        measured = expected
+    table = rec.table("torch.compile of the blocks and the head (model.compile_regions, backend aot_eager: "
+                      "graph capture and AOT backward, no code generation; the train phase counts the "
+                      "inductor run). Expected: as many graphs as the CPU capture of the same layout, no new "
+                      "graphs in round 2 (later window), no graph breaks, no fallback to eager",
+                      ["count", "measured", "expected", "ok"])
+    rec.value("compile_hw", measured["hw"])
+    for key, want in (("graphs_round1", expected["graphs_round1"]), ("new_graphs_round2", 0),
+                      ("graph_breaks", 0), ("eager_fallbacks", 0)):
+        rec.row(table, [key, measured[key], want], ok=measured[key] == want)
+
+
+# -----------------------------------------------------------------------------------------------
+# Phase kernels
+
+def phase_kernels(rec, ctx):
+    import torch
+    tg = import_trainer()
+    cuda = not ctx["cpu_smoke"]
+    layout = muon_layout(tg, torch)
+    rec.value("layout_source", layout["source"])
+    rec.value("muon_matrices", {f"{m}x{n}": k for (m, n), k in layout["counts"].items()})
+    import torch._dynamo
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    setattr(config, name, max(getattr(config, name), 64))   # one graph per method x stack shape
+    compiled = torch.compile(tg.orthogonalize_torch, backend="inductor" if cuda else "eager")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    if not cuda:
+        rec.note("cpu smoke: shapes divided by 48, at most 2 matrices, one timed call, world size 8 only, "
+                 "torch.compile "
+                 "with the eager backend: the figures prove the code path, not a speed")
+    table = rec.table("Orthogonalizing one rank's Muon stack: median ms per call (CUDA events, after warmup); "
+                      "TFLOP/s counts the GEMM FLOPs each backend executes (symmetric kernels: half the Gram and "
+                      "A@A); 'vs torch NS' = ms of compiled torch Newton-Schulz / ms (higher is faster)",
+                      ["GPUs", "stack", "ns_method", "steps", "backend", "ms", "TFLOP/s", "vs torch NS",
+                       "vs triton NS"])
+    totals = {}
+    shapes = sorted(layout["counts"], key=lambda s: -s[0] * s[1])
+    plan = [(world, shape) for world in ((1, 8) if cuda else (8,)) for shape in shapes]
+    out_of_time = False
+    for world, (m, n) in plan:
+        count = layout["per_rank"][world][(m, n)]
+        if not cuda:
+            m, n, count = smoke_dim(m), smoke_dim(n), min(count, 2)
+        G = torch.randn(count, m, n, device="cuda" if cuda else "cpu").to(dtype)
+        times, rows = {}, []
+        for method in tg.NS_METHODS:
+            steps = ns_steps(tg, method)
+            for backend, fn in (("triton", tg.orthogonalize_triton), ("torch", compiled)):
+                if time.time() > ctx["deadline"] - 20:
+                    out_of_time = True
+                    break
+                ms = rec.attempt(f"time {backend} {method} {m}x{n}x{count}", time_call, torch, cuda,
+                                 lambda fn=fn, method=method: fn(G, method))
+                times[(method, backend)] = ms
+                if ms is not None:
+                    key = (world, method, backend)
+                    totals[key] = totals.get(key, 0.0) + ms
+                flops = count * orthogonalize_flops(m, n, steps, symmetric=backend == "triton")
+                rows.append([world, f"{count} x {m}x{n}", method, steps, backend, ms,
+                             None if not ms else flops / (ms * 1e-3) / 1e12, None, None])
+                rec.row(table, rows[-1])
+        ns_torch, ns_triton = times.get(("newton_schulz", "torch")), times.get(("newton_schulz", "triton"))
+        for row in rows:   # the same lists as the table's rows
+            ms = row[5]
+            row[7] = ns_torch / ms if ms and ns_torch else None
+            row[8] = ns_triton / ms if ms and ns_triton and row[4] == "triton" else None
+        rec.flush()
+        if out_of_time:
+            rec.data["partial"] = True
+            rec.note("stopped early: the phase budget was spent")
+            break
+    summary = rec.table("One rank's orthogonalization work per optimizer step (sum over its stacks)",
+                        ["GPUs", "ns_method", "backend", "ms per step", "vs torch NS"])
+    for world in (1, 8):
+        base = totals.get((world, "newton_schulz", "torch"))
+        for method in tg.NS_METHODS:
+            for backend in ("triton", "torch"):
+                ms = totals.get((world, method, backend))
+                rec.row(summary, [world, method, backend, ms, base / ms if ms and base else None])
+
+
+def time_call(torch, cuda, fn):
+    fn()   # compile, autotune and allocate outside the timing
+    if not cuda:
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+    try:
+        import triton.testing
+        fn()
+        return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
+    except (ImportError, TypeError):
+        times = []
+        for _ in range(20):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        return sorted(times)[len(times) // 2]
+
+
+# -----------------------------------------------------------------------------------------------
+# Timing data (train and peer phases)
+
+def sample_documents():
+    """The embedded sample's documents (data/sample), each starting with BOS, as numpy arrays."""
+    import numpy as np
+    sys.path.insert(0, REPO_ROOT)
+    from data.shards import BOS, read_shard
+    out = {}
+    for split, name in (("train", "sample_train_000001.bin"), ("val", "sample_val_000000.bin")):
+        tokens = read_shard(os.path.join(REPO_ROOT, "data", "sample", name)).astype(np.int64)
+        starts = np.flatnonzero(tokens == BOS)
+        out[split] = np.split(tokens, starts[1:])
+    return out
+
+
+def repeat_documents(docs, count):
+    import numpy as np
+    reps = -(-count // sum(len(d) for d in docs))
+    return np.concatenate(docs * reps)[:count]
+
+
+def timing_data(ctx, seq_len, micro_batches, val_seq_len, val_tokens, steps):
+    """DIR/data/fineweb10B/fineweb_{train,val}_*.bin in the standard shard format: the sample's
+    documents repeated to the size both trainers need (reused when already there and big enough).
+    The peer needs 8 x 2 x seq_len tokens of buffer ahead of every step and, at world size 1, a
+    validation shard holding more than 8 x val_seq_len + val_tokens tokens."""
+    sys.path.insert(0, REPO_ROOT)
+    from data.shards import read_header, write_shard
+    folder = os.path.join(ctx["out"], "data", "fineweb10B")
+    os.makedirs(folder, exist_ok=True)
+    # A window of either loader ends at a document start: up to a document more than seq_len.
+    need = {"train": (steps + 2) * micro_batches * (2 * seq_len + 4096) + seq_len,
+            "val": max(8 * val_seq_len, val_tokens) + val_tokens + 65536}
+    paths = {"train": os.path.join(folder, "fineweb_train_000001.bin"),
+             "val": os.path.join(folder, "fineweb_val_000000.bin")}
+    docs = None
+    for split, path in paths.items():
+        if os.path.exists(path) and read_header(path) >= need[split]:
+            continue
+        docs = docs or sample_documents()
+        write_shard(path, repeat_documents(docs[split], need[split]))
+    counts = {split: read_header(path) for split, path in paths.items()}
+    note = (f"timing data: data/sample's CPython-documentation documents (train: 915 documents, mean length "
+            f"1268 tokens; val: 338 documents) repeated in order to {counts['train']:,} train and "
+            f"{counts['val']:,} val tokens in the standard shard format, written to {folder}. Not FineWeb: "
+            "the val losses show training works, not how well it generalizes (the data repeats).")
+    return os.path.join(folder, "fineweb_train_*.bin"), os.path.join(folder, "fineweb_val_*.bin"), note
+
+
+# -----------------------------------------------------------------------------------------------
+# Running a trainer and reading its log
+
+STEP_RE = re.compile(r"^step:(\d+)/(\d+) train_time:(\d+(?:\.\d+)?)ms step_avg:")
+VAL_RE = re.compile(r"^step:(\d+)/(\d+) val_loss:(\S+) train_time:(\d+(?:\.\d+)?)ms")
+MEM_RE = re.compile(r"^peak memory allocated: (\d+) MiB reserved: (\d+) MiB")
+
+
+def parse_run_log(text, steady_from=STEADY_FROM):
+    """Figures from a log in the speedrun's line format (ours and the public record's)."""
+    steps, vals, memory = {}, {}, None
+    lines = text.splitlines()
+    separators = [i for i, line in enumerate(lines) if line == "=" * 100]
+    for line in lines[separators[-1] + 1 if separators else 0:]:   # the output, after the header
+        if m := STEP_RE.match(line):
+            steps[int(m.group(1))] = float(m.group(3))
+        elif m := VAL_RE.match(line):
+            vals[int(m.group(1))] = float(m.group(3))
+        elif m := MEM_RE.match(line):
+            memory = (int(m.group(1)), int(m.group(2)))
+    last = max(steps) if steps else 0
+    steady = None
+    if last > steady_from and steady_from in steps:
+        steady = (steps[last] - steps[steady_from]) / (last - steady_from)
+    return dict(steps_done=last, steady_ms=steady, first_step_ms=steps.get(1),
+                peak_allocated_mib=memory[0] if memory else None, peak_reserved_mib=memory[1] if memory else None,
+                val_loss_start=vals.get(0), val_loss_end=vals.get(max(vals)) if vals else None,
+                val_end_step=max(vals) if vals else None)
+
+
+def run_logged(cmd, cwd, env, timeout, stdout_path):
+    """Run cmd, writing its output with a timestamp per line; returns (status, [(t, line)], seconds).
+    status is the exit code, or 'timeout' after killing its process group."""
+    start = time.time()
+    lines = []
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            errors="replace", start_new_session=True)
+    RUNNING.add(proc.pid)
+
+    def reader():
+        with open(stdout_path, "w") as f:
+            for line in proc.stdout:
+                t = time.time() - start
+                lines.append((t, line.rstrip("\n")))
+                f.write(f"{t:8.2f} {line}")
+                f.flush()
+    thread = threading.Thread(target=reader, daemon=True)
+    thread.start()
+    try:
+        status = proc.wait(timeout=max(timeout, 1))
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        status = "timeout"
+    RUNNING.discard(proc.pid)
+    thread.join(timeout=10)
+    return status, lines, time.time() - start
+
+
+def console_figures(lines):
+    """Start-up seconds (launch to the first step line, less its train_time) and the dynamo messages
+    (TORCH_LOGS=recompiles,graph_breaks) before and after that point."""
+    first = None
+    for t, line in lines:
+        m = STEP_RE.match(line) or VAL_RE.match(line)
+        if m:
+            train_ms = float(m.group(3) if STEP_RE.match(line) else m.group(4))
+            first = (t, t - train_ms / 1000)
+            break
+    counts = {"recompiles_warmup": 0, "recompiles_timed": 0, "graph_breaks": 0}
+    examples = []
+    for t, line in lines:
+        timed = first is not None and t >= first[0]
+        if "Recompiling function" in line:
+            counts["recompiles_timed" if timed else "recompiles_warmup"] += 1
+            if timed and len(examples) < 3:
+                examples.append(line.split("]")[-1].strip())
+        elif "[__graph_breaks] Graph break" in line:
+            counts["graph_breaks"] += 1
+    return dict(startup_s=None if first is None else round(first[1], 1), **counts, timed_recompile_examples=examples)
+
+
+def run_columns():
+    return ["run", "ns_method", "steps", "exit", "start-up s", "steady ms/step", "peak alloc MiB",
+            "peak reserved MiB", "val loss start", "val loss end", "recompiles warmup/timed", "graph breaks"]
+
+
+def run_row(label, method, figures):
+    return [label, method, figures.get("steps_done"), figures.get("exit"), figures.get("startup_s"),
+            figures.get("steady_ms"), figures.get("peak_allocated_mib"), figures.get("peak_reserved_mib"),
+            figures.get("val_loss_start"), figures.get("val_loss_end"),
+            f"{figures.get('recompiles_warmup')}/{figures.get('recompiles_timed')}", figures.get("graph_breaks")]
+
+
+def child_env(cpu_smoke):
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TORCH_LOGS="recompiles,graph_breaks")
+    if cpu_smoke:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
+
+
+# -----------------------------------------------------------------------------------------------
+# Phase train
+
+def phase_train(rec, ctx):
+    tg = import_trainer()
+    smoke = ctx["cpu_smoke"]
+    base = SMOKE_TRAINER_ARGV if smoke else ["--preset", "speedrun"]
+    args = tg.parse_config(base, {}, world_size=1, cuda_available=not smoke)
+    val_tokens = SMOKE_VAL_TOKENS if smoke else RUN_VAL_TOKENS
+    train_files, val_files, note = timing_data(ctx, args.train_seq_len, args.micro_batches, args.val_seq_len,
+                                               val_tokens, max(ctx["steps"], ctx["variant_steps"]))
+    rec.note(note)
+    rec.note(f"each run: `python train_gpt.py {' '.join(base)} --num_iterations N --val_tokens {val_tokens}` on that "
+             f"data, 1 process, {args.micro_batches} micro-batches of {args.train_seq_len} tokens per step; the lr "
+             "and window schedules are compressed into N steps (so are the peer's); start-up = launch to the "
+             f"first step (imports, data checks, compilation, {args.warmup_steps} warmup steps); steady ms/step = "
+             f"(train_time at step N - at step {ctx['steady_from']}) / (N - {ctx['steady_from']}); "
+             "runs after the first reuse "
+             "its compilation caches, so their start-up is not comparable")
+    methods = ctx["ns_methods"] or [args.ns_method] + [m for m in tg.NS_METHODS if m != args.ns_method]
+    if smoke and not ctx["ns_methods"]:
+        methods = methods[:2]
+        rec.note("cpu smoke: the default ns_method and one other (the code path of every further run is the same)")
+    table = rec.table("Training runs of train_gpt.py", run_columns())
+    log_dir = os.path.join(ctx["out"], "train")
+    for i, method in enumerate(methods):
+        steps = ctx["steps"] if i == 0 else ctx["variant_steps"]
+        remaining = ctx["deadline"] - time.time() - 5
+        if remaining < (10 if smoke else 90):
+            rec.data["partial"] = True
+            rec.note(f"{method}: not run, {remaining:.0f} s of the phase budget left (run `--phases env,train "
+                     f"--ns-methods {method}` in another command; --merge adds its run to these)")
+            continue
+        argv = base + ["--num_iterations", str(steps), "--val_tokens", str(val_tokens),
+                       "--val_every", str(steps if i == 0 else 0), "--train_files", train_files,
+                       "--val_files", val_files, "--log_dir", log_dir, "--run_name", f"proof_{method}",
+                       "--ns_method", method]
+        status, lines, seconds = run_logged([sys.executable, TRAINER, *argv], REPO_ROOT, child_env(smoke),
+                                            remaining, os.path.join(ctx["out"], f"train_{method}.console.txt"))
+        logs = sorted(glob_files(os.path.join(log_dir, f"*_proof_{method}", "*.txt")), key=os.path.getmtime)
+        figures = parse_run_log(open(logs[-1]).read(), ctx["steady_from"]) if logs else {}
+        figures.update(console_figures(lines), exit=status, wall_s=round(seconds, 1), log=logs[-1] if logs else None)
+        label = "main" if i == 0 else "ns_method"
+        rec.row(table, run_row(label, method, figures))
+        rec.value(f"run_{method}", figures)
+        if i == 0:
+            rec.value("main", dict(figures, ns_method=method))
+        if status != 0:
+            rec.data["errors"].append({"check": f"train run {method} (exit {status}), console tail",
+                                       "traceback": "\n".join(line for _, line in lines[-40:])})
+            rec.flush()
+
+
+def glob_files(pattern):
+    import glob
+    return glob.glob(pattern)
+
+
+# -----------------------------------------------------------------------------------------------
+# Phase peer
+
+def peer_copy(ctx, steps, val_tokens):
+    """Copy the peer script into DIR/peer/ with num_iterations and val_tokens changed (and any
+    --peer-replace edits); returns (path, [(line number, before, after)])."""
+    text = open(ctx["peer"]).read()
+    edits = []
+    for name, value in (("num_iterations", steps), ("val_tokens", val_tokens)):
+        pattern = re.compile(rf"^(\s+{name}\s*=\s*)\d+(.*)$", re.M)
+        found = list(pattern.finditer(text))
+        if len(found) != 1:
+            raise ValueError(f"{ctx['peer']}: expected one line '{name} = <int>', found {len(found)}")
+        m = found[0]
+        new = f"{m.group(1)}{value}{m.group(2)}"
+        edits.append((text.count("\n", 0, m.start()) + 1, m.group(0).strip(), new.strip()))
+        text = text[:m.start()] + new + text[m.end():]
+    for old, new in ctx["peer_replace"]:
+        if text.count(old) != 1:
+            raise ValueError(f"--peer-replace {old!r}: occurs {text.count(old)} times in {ctx['peer']}, expected once")
+        edits.append((text.count("\n", 0, text.index(old)) + 1, old, new))
+        text = text.replace(old, new)
+    folder = os.path.join(ctx["out"], "peer")
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, os.path.basename(ctx["peer"]))
+    with open(path, "w") as f:
+        f.write(text)
+    return path, edits
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def phase_peer(rec, ctx):
+    smoke = ctx["cpu_smoke"]
+    if not ctx["peer"]:
+        rec.skip("no peer script (--peer PATH)")
+        return
+    rec.value("peer_script", ctx["peer"])
+    rec.value("peer_sha256", file_sha256(ctx["peer"]))
+    path, edits = peer_copy(ctx, ctx["steps"], PEER_VAL_TOKENS)
+    table = rec.table("Edits made to the copy of the peer script (nothing else differs)", ["line", "original", "copy"])
+    for edit in edits:
+        rec.row(table, list(edit))
+    if smoke:
+        rec.skip("needs CUDA (the copy and its edits above were made and checked)")
+        return
+    tg = import_trainer()
+    args = speedrun_args(tg)
+    train_files, val_files, note = timing_data(ctx, args.train_seq_len, args.micro_batches, args.val_seq_len,
+                                               RUN_VAL_TOKENS, max(ctx["steps"], ctx["variant_steps"]))
+    rec.note(note)
+    rec.note("run: RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 DATA_PATH=DIR python <copy> (world size 1: 8 micro-batches "
+             "accumulated), log in DIR/peer/logs/<uuid>.txt; figures read as for ours")
+    env = child_env(False)
+    env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()), DATA_PATH=ctx["out"])
+    remaining = ctx["deadline"] - time.time() - 5
+    folder = os.path.dirname(path)
+    status, lines, seconds = run_logged([sys.executable, path], folder, env, remaining,
+                                        os.path.join(ctx["out"], "peer.console.txt"))
+    logs = sorted(glob_files(os.path.join(folder, "logs", "*.txt")), key=os.path.getmtime)
+    figures = parse_run_log(open(logs[-1]).read(), ctx["steady_from"]) if logs else {}
+    figures.update(console_figures(lines), exit=status, wall_s=round(seconds, 1), log=logs[-1] if logs else None)
+    runs = rec.table("Peer run", run_columns())
+    rec.row(runs, run_row("peer", "newton_schulz (record)", figures))
+    rec.value("run", figures)
+    if status != 0:
+        rec.data["errors"].append({"check": f"peer run (exit {status}), console tail",
+                                   "traceback": "\n".join(line for _, line in lines[-40:])})
+        rec.flush()
+
+
+PHASE_FUNCTIONS = {"env": phase_env, "correct": phase_correct, "kernels": phase_kernels, "train": phase_train,
+                   "peer": phase_peer}
+
+
+# -----------------------------------------------------------------------------------------------
+# Report
+
+def build_report(phases, commands, cpu_smoke):
+    env = phases.get("env", {}).get("values", {})
+    report = dict(tool="bench/gpu_proof.py", created=datetime.datetime.now(datetime.timezone.utc).isoformat(
+        timespec="seconds"), commands=commands, cpu_smoke=cpu_smoke,
+        meta={k: env.get(k) for k in ("device", "torch", "triton", "torch_cuda", "train_gpt_sha256", "git_commit")},
+        phases=phases)
+    report["comparison"] = compare_with_peer(phases)
+    return report
+
+
+def compare_with_peer(phases):
+    ours = phases.get("train", {}).get("values", {}).get("main")
+    peer = phases.get("peer", {}).get("values", {}).get("run")
+    if not ours or not peer:
+        return None
+
+    def ratio(key):
+        return ours[key] / peer[key] if ours.get(key) and peer.get(key) else None
+    return dict(steady_ms_ours=ours.get("steady_ms"), steady_ms_peer=peer.get("steady_ms"),
+                steady_ms_ratio=ratio("steady_ms"), peak_allocated_ratio=ratio("peak_allocated_mib"),
+                peak_reserved_ratio=ratio("peak_reserved_mib"), steps_ours=ours.get("steps_done"),
+                steps_peer=peer.get("steps_done"))
+
+
+def device_slug(report):
+    name = (report.get("meta") or {}).get("device") or "unknown-device"
+    return re.sub(r"[^A-Za-z0-9.]+", "-", name).strip("-")
+
+
+def render_markdown(report):
+    meta = report["meta"]
+    out = [f"# GPU proof: {meta.get('device')}, {report['created'][:10]}", ""]
+    if report.get("cpu_smoke"):
+        out += ["**CPU smoke run**: tiny sizes, fp32, Triton interpreted; no figure here is a GPU measurement.", ""]
+    out += [f"Made by `bench/gpu_proof.py` from train_gpt.py sha256 `{(meta.get('train_gpt_sha256') or '?')[:16]}` "
+            f"(git {(meta.get('git_commit') or '?')[:12]}), torch {meta.get('torch')}, triton {meta.get('triton')}, "
+            f"CUDA {meta.get('torch_cuda')}. Commands:", ""]
+    out += [f"    {c}" for c in report["commands"]] + [""]
+    out += ["| phase | status | seconds | checks passed | checks failed | errors |", "|---|---|---|---|---|---|"]
+    for name, p in report["phases"].items():
+        status = p["status"] + (f" ({p['skipped']})" if p.get("skipped") else "")
+        out.append(f"| {name} | {status} | {fmt(p.get('seconds'))} | {p['checks']['passed']} | "
+                   f"{p['checks']['failed']} | {len(p['errors'])} |")
+    out.append("")
+    comp = report.get("comparison")
+    if comp:
+        out += ["## Ours vs the public record script (same GPU, same data)", "",
+                "| figure | ours | peer | ours / peer |", "|---|---|---|---|",
+                f"| steady ms/step (steps {STEADY_FROM}..N) | {fmt(comp['steady_ms_ours'])} | "
+                f"{fmt(comp['steady_ms_peer'])} | {fmt(comp['steady_ms_ratio'])} |",
+                f"| peak memory allocated, ratio | | | {fmt(comp['peak_allocated_ratio'])} |",
+                f"| peak memory reserved, ratio | | | {fmt(comp['peak_reserved_ratio'])} |", ""]
+    for name, p in report["phases"].items():
+        out += [f"## {name}: {p['status']}", ""]
+        if p.get("skipped"):
+            out += [f"skipped: {p['skipped']}", ""]
+        values = {k: v for k, v in p["values"].items() if not isinstance(v, dict) or name == "kernels"}
+        for key, value in values.items():
+            out.append(f"- {key}: {fmt(value) if isinstance(value, float) else value}")
+        if values:
+            out.append("")
+        for note in p["notes"]:
+            out += [f"- {note}"]
+        if p["notes"]:
+            out.append("")
+        for table in p["tables"]:
+            out += [f"**{table['title']}**", "", "| " + " | ".join(table["columns"]) + " |",
+                    "|" + "---|" * len(table["columns"])]
+            for row in table["rows"]:
+                out.append("| " + " | ".join(fmt(x) for x in row) + " |")
+            out.append("")
+        for error in p["errors"]:
+            text = "\n".join(error["traceback"].rstrip().splitlines()[-40:])
+            out += [f"Error in {error['check']}:", "", "```", text, "```", ""]
+    return "\n".join(out) + "\n"
+
+
+def write_report(out, report):
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "report.json"), "w") as f:
+        json.dump(report, f, indent=1, default=str)
+    with open(os.path.join(out, "report.md"), "w") as f:
+        f.write(render_markdown(report))
+
+
+def merge_reports(paths):
+    """One report from several (say one per command): phases of later reports replace earlier ones."""
+    reports = [json.load(open(p)) for p in paths]
+    devices = {r["meta"].get("device") for r in reports if r["meta"].get("device")}
+    if len(devices) > 1:
+        raise ValueError(f"the reports come from different devices: {sorted(devices)}")
+    phases, commands = {}, []
+    for r in reports:
+        for name, phase in r["phases"].items():
+            if name == "train" and adds_runs(phases.get(name), phase):
+                phase = combine_train(phases[name], phase)
+            phases[name] = phase
+        commands += r["commands"]
+    phases = {name: phases[name] for name in PHASES if name in phases}
+    merged = build_report(phases, commands, any(r.get("cpu_smoke") for r in reports))
+    for r in reports:   # meta of a report whose env phase was not merged in
+        for key, value in r["meta"].items():
+            merged["meta"][key] = merged["meta"].get(key) or value
+    merged["created"] = min(r["created"] for r in reports)
+    return merged
+
+
+STATUS_ORDER = ("ok", "skipped", "partial", "failed", "timeout", "crashed")
+
+
+def adds_runs(first, later):
+    """A later train phase adds to an earlier one whose main run succeeded when it ran other
+    ns_methods only; otherwise (a re-run after a fix, say) it replaces it."""
+    main = (first or {}).get("values", {}).get("main")
+    return bool(main) and main.get("exit") == 0 and f"run_{main.get('ns_method')}" not in later["values"]
+
+
+def combine_train(first, later):
+    """Train runs of two commands (say, an ns_method the first one's budget left out): all runs
+    listed, the first command's main run kept as the main run."""
+    combined = json.loads(json.dumps(first))
+    combined["values"].update({k: v for k, v in later["values"].items() if k != "main"})
+    for table in later["tables"]:
+        same = [t for t in combined["tables"] if t["title"] == table["title"]]
+        if same:
+            same[0]["rows"] += [["ns_method"] + row[1:] if row[0] == "main" else row for row in table["rows"]]
+        else:
+            combined["tables"].append(table)
+    for key in ("notes", "errors"):
+        combined[key] += [x for x in later[key] if x not in combined[key]]
+    for key in ("passed", "failed"):
+        combined["checks"][key] += later["checks"][key]
+    combined["seconds"] = (first.get("seconds") or 0) + (later.get("seconds") or 0)
+    combined["status"] = max(first["status"], later["status"], key=STATUS_ORDER.index)
+    return combined
+
+
+def main(argv=None):
+    opts = parse_args(sys.argv[1:] if argv is None else argv)
+    if opts.worker:
+        return worker_main(opts.worker, opts.out)
+    if opts.merge:
+        try:
+            report = merge_reports(opts.merge)
+        except (ValueError, KeyError, OSError) as e:
+            print(f"gpu_proof.py: error: --merge: {e}", file=sys.stderr)
+            return 2
+        out = opts.out or os.path.join(REPO_ROOT, "records", "gpu_proof",
+                                       f"{report['created'][:10]}_{device_slug(report)}")
+        if os.path.exists(os.path.join(out, "report.json")):
+            print(f"gpu_proof.py: error: --out={out}: report.json exists; choose a new folder", file=sys.stderr)
+            return 2
+        write_report(out, report)
+        print(f"wrote {os.path.join(out, 'report.md')}")
+        return 0
+    return run_proof(opts)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

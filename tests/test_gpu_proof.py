@@ -1,0 +1,215 @@
+"""bench/gpu_proof.py: the CPU smoke run goes end to end through every phase and writes a report
+with the structure and figures the GPU run will fill; bad arguments fail in one line before any
+work; logs are parsed in the speedrun's line format; reports of several commands merge."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "bench" / "gpu_proof.py"
+PEER = ROOT.parent / "shared" / "peers" / "modded-nanogpt_9d9dc969_train_gpt.py"
+sys.path.insert(0, str(ROOT))
+
+from bench import gpu_proof  # noqa: E402
+
+
+def run(*args, timeout=60):
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout,
+                          cwd=ROOT, env=env)
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    """One --cpu-smoke run of every phase (about a minute on 2 idle cores); with the public peer
+    script where ../shared is present, so its copy and edits are made and checked too."""
+    out = tmp_path_factory.mktemp("proof") / "out"
+    args = ["--cpu-smoke", "--out", str(out)] + (["--peer", str(PEER)] if PEER.exists() else [])
+    result = run(*args, timeout=600)   # a guard against a hang, not a timing assertion
+    assert result.returncode == 0, result.stdout + result.stderr
+    return out, json.loads((out / "report.json").read_text()), (out / "report.md").read_text()
+
+
+def rows(phase, title_start):
+    tables = [t for t in phase["tables"] if t["title"].startswith(title_start)]
+    assert len(tables) == 1, [t["title"] for t in phase["tables"]]
+    return [dict(zip(tables[0]["columns"], row)) for row in tables[0]["rows"]]
+
+
+def test_smoke_report_has_every_phase(smoke):
+    out, report, markdown = smoke
+    assert list(report["phases"]) == list(gpu_proof.PHASES)
+    status = {name: p["status"] for name, p in report["phases"].items()}
+    assert status == {"env": "ok", "correct": "ok", "kernels": "ok", "train": "ok", "peer": "skipped"}
+    assert report["cpu_smoke"] and report["meta"]["device"] == "cpu"
+    assert report["meta"]["train_gpt_sha256"] == gpu_proof.file_sha256(gpu_proof.TRAINER)
+    for name in gpu_proof.PHASES:
+        assert f"## {name}: {status[name]}" in markdown
+    assert "CPU smoke run" in markdown
+
+
+def test_smoke_correctness_checks_ran_and_passed(smoke):
+    correct = smoke[1]["phases"]["correct"]
+    assert correct["checks"]["failed"] == 0 and not correct["errors"]
+    kernels = rows(correct, "Triton kernels")
+    assert {r["kernel"] for r in kernels} == {"gram", "gram row |A| sums (fp32)", "sym_poly", "sym_poly scaled",
+                                             "poly_apply", "poly_apply scaled"}
+    ortho = rows(correct, "orthogonalize_triton")
+    assert {r["ns_method"] for r in ortho} == {"aol", "polar_express", "newton_schulz"}
+    assert {r["shape (batch)"].split()[0] for r in ortho} >= {"6x12", "16x16", "16x64", "64x16"}  # tall too
+    for r in kernels + ortho:
+        assert r["ok"] == "yes" and r["triton err"] <= r["bound"] < 1e-3  # fp32 on CPU: far below bf16 rounding
+    attention = rows(correct, "FlexAttention")
+    outputs = [r for r in attention if r["tensor"] == "output"]
+    assert len(outputs) == 3 and all(r["ok"] == "yes" and r["flex err"] < 1e-5 for r in outputs)
+    assert all(r["sdpa err"] < 1e-5 for r in attention)  # SDPA's gradients against the fp64 reference
+    compile_rows = {r["count"]: r for r in rows(correct, "torch.compile")}
+    assert compile_rows["graphs_round1"]["measured"] > 2 and compile_rows["graph_breaks"]["measured"] == 0
+    assert any("FP8 head: skipped: needs CUDA" in n for n in correct["notes"])
+
+
+def test_smoke_kernels_table_covers_every_method_and_backend(smoke):
+    kernels = smoke[1]["phases"]["kernels"]
+    assert {"768x768", "768x3072"} <= set(kernels["values"]["muon_matrices"])  # q,k,v,o and the MLP, wide
+    timed = rows(kernels, "Orthogonalizing one rank")
+    assert {(r["ns_method"], r["backend"]) for r in timed} == {(m, b) for m in ("aol", "polar_express", "newton_schulz")
+                                                               for b in ("triton", "torch")}
+    assert all(r["ms"] > 0 and r["TFLOP/s"] > 0 for r in timed)
+    ns_torch = [r for r in timed if (r["ns_method"], r["backend"]) == ("newton_schulz", "torch")]
+    assert all(r["vs torch NS"] == 1 for r in ns_torch)
+    assert {r["steps"] for r in timed if r["ns_method"] == "aol"} == {4}
+
+
+def test_muon_layout_per_rank_counts():
+    """At 8 GPUs a rank orthogonalizes ceil(bucket/8) matrices of every bucket of its shape."""
+    import torch
+    import train_gpt
+    layout = gpu_proof.muon_layout(train_gpt, torch)
+    for shape, total in layout["counts"].items():
+        assert layout["per_rank"][1][shape] == total
+        assert math.ceil(total / 8) <= layout["per_rank"][8][shape] < total
+    assert "state_tensors" in layout["source"]
+
+
+def test_smoke_train_figures(smoke):
+    out, report, _ = smoke
+    train = report["phases"]["train"]
+    main = train["values"]["main"]
+    assert main["exit"] == 0 and main["steps_done"] == 4
+    assert main["val_loss_start"] == pytest.approx(math.log(50304), abs=1e-3)  # zero head: exactly ln(vocab)
+    assert main["val_loss_end"] < main["val_loss_start"]
+    assert main["steady_ms"] > 0 and main["startup_s"] > 0 and main["peak_allocated_mib"] > 0
+    assert main["graph_breaks"] == 0 and main["recompiles_timed"] == 0
+    assert Path(main["log"]).is_relative_to(out)  # logs go inside --out, never into records/
+    runs = rows(train, "Training runs")
+    assert len(runs) == 2 and len({r["ns_method"] for r in runs}) == 2 and all(r["exit"] == 0 for r in runs)
+    for split in ("train_000001", "val_000000"):
+        assert (out / "data" / "fineweb10B" / f"fineweb_{split}.bin").exists()
+    assert report["comparison"] is None  # no peer run on CPU
+
+
+@pytest.mark.skipif(not PEER.exists(), reason="../shared/peers is absent")
+def test_smoke_peer_copy_changes_exactly_two_lines(smoke):
+    out, report, _ = smoke
+    peer = report["phases"]["peer"]
+    assert peer["skipped"].startswith("needs CUDA")
+    edits = rows(peer, "Edits made")
+    assert sorted(e["copy"].split("#")[0].strip() for e in edits) == ["num_iterations = 4", "val_tokens = 262144"]
+    assert sorted(e["original"].split("#")[0].strip() for e in edits) == ["num_iterations = 1695",
+                                                                          "val_tokens = 10485760"]
+    original = PEER.read_text().splitlines()
+    copy = (out / "peer" / PEER.name).read_text().splitlines()
+    changed = [i + 1 for i, (a, b) in enumerate(zip(original, copy)) if a != b]
+    assert len(original) == len(copy) and sorted(changed) == sorted(e["line"] for e in edits)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--phases", "env,gpu"], "--phases='env,gpu': unknown phase gpu"),
+    (["--peer", "/nonexistent/peer.py"], "--peer=/nonexistent/peer.py: no such file"),
+    (["--steps", "20"], "--steps=20: must exceed 20"),
+    (["--budget", "train=soon"], "--budget='train=soon'"),
+    (["--ns-methods", "adam"], "--ns-methods: unknown method adam"),
+])
+def test_bad_arguments_fail_in_one_line_before_any_work(tmp_path, args, message):
+    out = tmp_path / "out"
+    result = run("--out", str(out), *(args if "--phases" in args else ["--phases", "env", *args]))
+    assert result.returncode == 2
+    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+def test_existing_report_is_never_overwritten(tmp_path):
+    (tmp_path / "report.json").write_text("{}")
+    result = run("--out", str(tmp_path), "--phases", "env")
+    assert result.returncode == 2 and "report.json exists" in result.stderr
+    assert (tmp_path / "report.json").read_text() == "{}"
+
+
+def test_parse_run_log_reads_the_speedrun_line_format():
+    lines = ["code with f-strings: step:{step}/{N} val_loss:{val_loss:.4f}", "=" * 100,
+             "step:0/30 val_loss:10.8258 train_time:0ms step_avg:0.02ms"]
+    lines += [f"step:{s}/30 train_time:{1000 + 800 * s}ms step_avg:{(1000 + 800 * s) / s:.2f}ms" for s in range(1, 31)]
+    lines += ["step:30/30 val_loss:7.1234 train_time:25000ms step_avg:833.33ms",
+              "peak memory allocated: 33278 MiB reserved: 48994 MiB"]
+    figures = gpu_proof.parse_run_log("\n".join(lines))
+    assert figures["steps_done"] == 30 and figures["steady_ms"] == pytest.approx(800)
+    assert (figures["val_loss_start"], figures["val_loss_end"]) == (10.8258, 7.1234)
+    assert (figures["peak_allocated_mib"], figures["peak_reserved_mib"]) == (33278, 48994)
+    assert gpu_proof.parse_run_log("\n".join(lines[:10]))["steady_ms"] is None  # never reached step 20
+
+
+def fake_phase(name, status="ok", values=None):
+    return dict(gpu_proof.new_phase_result(name), status=status, values=values or {})
+
+
+def test_merge_combines_commands_and_compares_with_the_peer(tmp_path):
+    env = {"device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0", "train_gpt_sha256": "ab"}
+    first = gpu_proof.build_report({"env": fake_phase("env", values=env), "train": fake_phase("train", "failed")},
+                                   ["cmd1"], False)
+    second = gpu_proof.build_report({"train": fake_phase("train", values={"main": dict(
+        steady_ms=900.0, peak_allocated_mib=30000, peak_reserved_mib=40000, steps_done=60)})}, ["cmd2"], False)
+    third = gpu_proof.build_report({"peer": fake_phase("peer", values={"run": dict(
+        steady_ms=1000.0, peak_allocated_mib=25000, peak_reserved_mib=40000, steps_done=60)})}, ["cmd3"], False)
+    paths = []
+    for i, report in enumerate((first, second, third)):
+        folder = tmp_path / str(i)
+        gpu_proof.write_report(str(folder), report)
+        paths.append(str(folder / "report.json"))
+    merged = gpu_proof.merge_reports(paths)
+    assert list(merged["phases"]) == ["env", "train", "peer"] and merged["phases"]["train"]["status"] == "ok"
+    assert merged["commands"] == ["cmd1", "cmd2", "cmd3"] and merged["meta"]["device"] == env["device"]
+    assert merged["comparison"]["steady_ms_ratio"] == pytest.approx(0.9)
+    assert merged["comparison"]["peak_allocated_ratio"] == pytest.approx(1.2)
+    assert gpu_proof.device_slug(merged) == "NVIDIA-H100-80GB-HBM3"
+    result = run("--merge", *paths, "--out", str(tmp_path / "merged"))
+    assert result.returncode == 0, result.stderr
+    assert "| steady ms/step (steps 20..N) | 900 | 1000 | 0.9 |" in (tmp_path / "merged" / "report.md").read_text()
+    other = gpu_proof.build_report({"env": fake_phase("env", values=dict(env, device="NVIDIA H200"))}, ["x"], False)
+    gpu_proof.write_report(str(tmp_path / "h200"), other)
+    with pytest.raises(ValueError, match="different devices"):
+        gpu_proof.merge_reports(paths + [str(tmp_path / "h200" / "report.json")])
+
+
+def test_merge_adds_a_later_train_run_and_keeps_the_first_main_run(tmp_path):
+    def train_report(method, steady):
+        phase = fake_phase("train", values={"main": dict(ns_method=method, steady_ms=steady, exit=0),
+                                            f"run_{method}": dict(steady_ms=steady)})
+        phase["tables"] = [{"title": "Training runs of train_gpt.py", "columns": ["run", "ns_method"],
+                            "rows": [["main", method]]}]
+        return gpu_proof.build_report({"train": phase}, [method], False)
+    paths = []
+    for i, report in enumerate((train_report("newton_schulz", 800.0), train_report("aol", 790.0))):
+        gpu_proof.write_report(str(tmp_path / str(i)), report)
+        paths.append(str(tmp_path / str(i) / "report.json"))
+    train = gpu_proof.merge_reports(paths)["phases"]["train"]
+    assert train["values"]["main"]["ns_method"] == "newton_schulz"
+    assert set(train["values"]) == {"main", "run_newton_schulz", "run_aol"}
+    assert train["tables"][0]["rows"] == [["main", "newton_schulz"], ["ns_method", "aol"]]
+    rerun = gpu_proof.merge_reports(paths[:1] + paths[:1])["phases"]["train"]   # the same method again: replaces
+    assert rerun["tables"][0]["rows"] == [["main", "newton_schulz"]]
