@@ -420,10 +420,7 @@ def smoke_dim(d):
 
 
 def ns_steps(tg, method):
-    try:
-        return len(tg.default_coeffs(method))
-    except AttributeError:
-        return {"aol": 4}.get(method, 5)
+    return len(tg.default_coeffs(method))
 
 
 def orthogonalize_flops(m, n, steps, symmetric):
@@ -647,13 +644,8 @@ def check_attention(rec, tg, torch, cuda):
 
 
 def fp8_head_matmul(tg, x, w):
-    """The trainer's FP8 head product x @ w.T, in whichever form the trainer has it: the custom op
-    with static scales (fp8_matmul + FP8_HEAD_SCALES) or the autograd.Function FP8Matmul."""
-    if hasattr(tg, "fp8_matmul") and hasattr(tg, "FP8_HEAD_SCALES"):
-        out = tg.fp8_matmul(x, w, *tg.FP8_HEAD_SCALES)
-    else:
-        out = tg.FP8Matmul.apply(x, w)
-    return out[0] if isinstance(out, (tuple, list)) else out
+    """The trainer's FP8 head product x @ w.T: its custom op with the record's static scales."""
+    return tg.fp8_matmul(x, w, *tg.fp8_head_scales(x.shape[-1]))
 
 
 def check_fp8(rec, tg, torch):
@@ -663,7 +655,7 @@ def check_fp8(rec, tg, torch):
     x0 = F.rms_norm(torch.randn(T, D, generator=gen), (D,)).cuda().bfloat16()   # the head's input is normed
     w0 = (0.02 * torch.randn(V, D, generator=gen)).cuda()                         # fp32 master weight
     targets = torch.randint(0, V, (T,), generator=gen).cuda()
-    form = "fp8_matmul custom op, static scales" if hasattr(tg, "fp8_matmul") else "FP8Matmul autograd.Function"
+    form = "fp8_matmul custom op, static scales"
     rec.value("fp8_form", form)
 
     def run(kind):
