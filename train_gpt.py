@@ -1875,8 +1875,9 @@ class TrainBatches:
         """Continue from state(), saved by a loader over the same files; call it before the first batch."""
         shard = state["shard"]
         if shard >= len(self.files) or os.path.basename(self.files[shard]) != state["file"]:
-            raise DataError(f"{state['file']}: the checkpoint's loader was in this shard, but training file "
-                            f"number {shard} here is {self.files[shard] if shard < len(self.files) else 'missing'}")
+            here = self.files[shard] if shard < len(self.files) else "missing"
+            raise DataError(f"{state['file']}: the checkpoint's loader was in this shard, training file {shard}, "
+                            f"which here is {here}; resume with the same --train_files")
         if self.files[shard] != self._shard.path:
             if self._prefetch is not None:
                 self._prefetch.result()  # the background read must finish before the file index moves
@@ -2375,6 +2376,8 @@ def sample_main(args):
         raise ConfigError(f"--sample={args.sample!r}: its configuration has fields this train_gpt.py does not know: "
                           + ", ".join(unknown))
     trained = Hyperparameters(**checkpoint["config"])
+    if args.threads:
+        torch.set_num_threads(args.threads)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda") if cuda else torch.device("cpu")
     hw = Hardware(device, torch.bfloat16 if cuda else torch.float32, "sdpa", False, "torch", "gloo")
