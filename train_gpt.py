@@ -2197,7 +2197,8 @@ def train(args, ranks, hw, log, collectives=None, on_step=None):
 # --resume continues such a run exactly where it stopped; --sample prints text from the model.
 
 CHECKPOINT_FORMAT = 1
-# Fields that do not change what training computes: a run may resume with other values of these.
+# Fields that choose where, how fast or with what logging training runs, not what it computes (device and
+# ns_backend change rounding only): a run may resume with other values of these.
 RESUME_FREE_FIELDS = {"run_name", "log_dir", "target_val_loss", "val_every", "warmup_steps", "device", "threads",
                       "compile", "overlap_comms", "ns_backend", "dist_timeout_s", "save_checkpoint",
                       "checkpoint_every", "resume", "sample", "prompt", "max_new_tokens", "temperature", "top_k"}
