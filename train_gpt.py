@@ -2386,7 +2386,8 @@ def sample_main(args):
     try:
         model.load_state_dict(checkpoint["model"])
     except RuntimeError as e:
-        raise ConfigError(f"--sample={args.sample!r}: does not fit this model ({' '.join(str(e).split())[:300]})") from None
+        reason = " ".join(str(e).split())[:300]
+        raise ConfigError(f"--sample={args.sample!r}: does not fit this model ({reason})") from None
     encoding = gpt2_encoding()
     started = time.perf_counter()
     new = generate(model, trained, encoding.encode_ordinary(args.prompt), args.max_new_tokens, args.temperature,
