@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import train_gpt
-from conftest import ROOT, TINY, synthetic_documents, tiny_argv
+from conftest import ROOT, synthetic_documents, tiny_argv
 from shards import write_shard
 from test_distributed import LOSS_RTOL, MOVEMENT_FRACTION, free_port, movement_bounds, rank_env
 
