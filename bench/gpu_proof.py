@@ -486,7 +486,9 @@ def phase_correct(rec, ctx):
     rec.value("dtype", str(dtype).removeprefix("torch."))
     layout = rec.attempt("Muon layout", muon_layout, tg, torch)
     stored = [(768, 768), (768, 3072), (6, 12)] if layout is None else layout["stored"]
-    stored = sorted(set(stored) | {(768, 768), (768, 3072), (6, 12)})
+    # plus a tall matrix: the speedrun stores every Muon matrix wide, but the kernels' transposed
+    # path serves forks that store one tall
+    stored = sorted(set(stored) | {(768, 768), (768, 3072), (3072, 768), (6, 12)})
     if not cuda:
         stored = sorted({(smoke_dim(r), smoke_dim(c)) for r, c in stored})
         rec.note("cpu smoke: shapes divided by 48 (768 -> 16), fp32, Triton under its interpreter")
