@@ -50,8 +50,9 @@ else
             --rdzv_conf="is_host=$is_host,join_timeout=$wait_s,read_timeout=$wait_s")
     meeting="not all NNODES=$nnodes machines met at $MASTER_ADDR:${MASTER_PORT:-29500} within DIST_TIMEOUT_S=$wait_s s"
 fi
-# torchrun's default for several processes, without its five-line notice
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+if [ "$nproc" -gt 1 ]; then  # torchrun's default for several processes, without its five-line notice
+    export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+fi
 # torchrun, except that a failed rendezvous ends in one line instead of a traceback, and a failed
 # process in its own exit code and one-line reason instead of torchrun's traceback and summary.
 exec "$PYTHON" -c '
