@@ -22,13 +22,10 @@ TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "G
 MEETING_POINT = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
 
 
-def test_two_machines_of_two_processes():
+def test_second_process_of_the_second_machine():
     environ = dict(RANK="3", LOCAL_RANK="1", WORLD_SIZE="4", LOCAL_WORLD_SIZE="2", **MEETING_POINT)
     assert train_gpt.Ranks.from_env(environ) == train_gpt.Ranks(rank=3, local_rank=1, world_size=4,
                                                                 local_world_size=2)
-    # CPU threads follow the processes on this machine, not in the world; the device is LOCAL_RANK's
-    args = train_gpt.parse_config(tiny_argv(micro_batches=4), {}, 4, False)
-    assert train_gpt.Hardware.detect(args, train_gpt.Ranks.from_env(environ)).device.type == "cpu"
 
 
 @pytest.mark.parametrize("environ, needle", [
@@ -68,7 +65,8 @@ def test_world_size_without_torchrun_is_one_line(tmp_path):
 def test_micro_batches_hint_names_the_flag():
     with pytest.raises(train_gpt.ConfigError) as cpu:
         train_gpt.parse_config(["--preset=cpu"], {}, 2, False)
-    assert str(cpu.value) == "--micro_batches=1: world size 2 must divide it (set --micro_batches=2 or another multiple of 2)"
+    assert str(cpu.value) == ("--micro_batches=1: world size 2 must divide it "
+                              "(set --micro_batches=2 or another multiple of 2)")
     with pytest.raises(train_gpt.ConfigError) as cpu:
         train_gpt.parse_config(["--preset=cpu", "--micro_batches=6"], {}, 4, False)
     assert "set --micro_batches=8 or another multiple of 4" in str(cpu.value)
@@ -137,6 +135,17 @@ def test_two_machines_train_what_one_machine_trains(tmp_path, make_shards):
     assert len(single) == len(multi) == 5  # val_every=1 over 4 steps, and step 0
     assert single[-1] < single[0] - 0.2
     assert multi == pytest.approx(single, rel=LOSS_RTOL)
+
+
+@cpu_only
+def test_failed_process_ends_in_its_own_line_and_status(tmp_path):
+    """torchrun alone adds a traceback and a failure summary to the trainer's one line."""
+    proc = start_run_sh(tiny_argv(micro_batches=3, log_dir=tmp_path / "logs"), tmp_path, NPROC="2")
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2
+    assert "train_gpt.py: error: --micro_batches=3: world size 2 must divide it (set --micro_batches=4" in err
+    assert "Traceback" not in err and "ChildFailedError" not in err
+    assert not (tmp_path / "logs").exists()
 
 
 @cpu_only
