@@ -3,16 +3,31 @@
 # process where there is none. Arguments are passed on to train_gpt.py, e.g.
 #   ./run.sh --run_name myidea          ./run.sh --preset cpu --num_iterations 50
 # The speedrun needs a number of processes that divides 8: with 3, 5, 6 or 7 GPUs the largest
-# such number is used (say so with NPROC=... to choose yourself).
+# such number is used (say so with NPROC=... to choose yourself). On CPU, NPROC=N starts N gloo
+# processes, and each step takes one micro-batch per process (MICRO_BATCHES=N unless given).
+# Several machines: run the same command on each, with NNODES (the number of machines),
+# NODE_RANK (0 on the machine at MASTER_ADDR, which hosts the rendezvous; 1, 2, ... on the
+# others), MASTER_ADDR and optionally MASTER_PORT (default 29500). A machine waits
+# DIST_TIMEOUT_S seconds (default 900) for the others to join, then gives up.
 set -euo pipefail
 cd "$(dirname "$0")"
 PYTHON=${PYTHON:-python3}
+fail() { echo "run.sh: $*" >&2; exit 2; }
+for name in NPROC NNODES NODE_RANK MASTER_PORT DIST_TIMEOUT_S; do
+    case ${!name:-0} in ''|*[!0-9]*) fail "$name=${!name}: expected a non-negative integer";; esac
+done
+nnodes=${NNODES:-1}
+nproc=${NPROC:-}
+[ "${nproc:-1}" -ge 1 ] && [ "$nnodes" -ge 1 ] || fail "NPROC and NNODES must be at least 1"
 gpus=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())")
 if [ "$gpus" -eq 0 ]; then
-    exec "$PYTHON" train_gpt.py "$@"
-fi
-nproc=${NPROC:-}
-if [ -z "$nproc" ]; then
+    nproc=${nproc:-1}
+    if [ "$nproc" -eq 1 ] && [ "$nnodes" -eq 1 ]; then
+        exec "$PYTHON" train_gpt.py "$@"
+    fi
+    # The cpu preset takes one micro-batch per step, which cannot be split over processes.
+    export MICRO_BATCHES=${MICRO_BATCHES:-$((nnodes * nproc))}
+elif [ -z "$nproc" ]; then
     for n in 8 4 2 1; do
         if [ "$n" -le "$gpus" ]; then nproc=$n; break; fi
     done
@@ -20,4 +35,43 @@ if [ -z "$nproc" ]; then
         echo "run.sh: $gpus GPUs found; using $nproc (the speedrun's 8 micro-batches need a divisor of 8)" >&2
     fi
 fi
-exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$nproc" train_gpt.py "$@"
+if [ "$nnodes" -eq 1 ]; then
+    launch=(--standalone --nproc_per_node="$nproc")
+    meeting="the $nproc processes did not meet on this machine"
+else
+    [ -n "${NODE_RANK:-}" ] && [ -n "${MASTER_ADDR:-}" ] || fail "NNODES=$nnodes needs NODE_RANK and MASTER_ADDR too"
+    [ "$NODE_RANK" -lt "$nnodes" ] || fail "NODE_RANK=$NODE_RANK must be below NNODES=$nnodes"
+    # The c10d rendezvous numbers the machines itself (torchrun ignores --node_rank with it), so
+    # NODE_RANK only says which machine hosts the rendezvous.
+    wait_s=${DIST_TIMEOUT_S:-900}
+    is_host=$([ "$NODE_RANK" -eq 0 ] && echo 1 || echo 0)
+    launch=(--nnodes="$nnodes" --nproc_per_node="$nproc" --rdzv_backend=c10d
+            --rdzv_endpoint="$MASTER_ADDR:${MASTER_PORT:-29500}"
+            --rdzv_conf="is_host=$is_host,join_timeout=$wait_s,read_timeout=$wait_s")
+    meeting="not all NNODES=$nnodes machines met at $MASTER_ADDR:${MASTER_PORT:-29500} within DIST_TIMEOUT_S=$wait_s s"
+fi
+if [ "$nproc" -gt 1 ]; then  # torchrun's default for several processes, without its five-line notice
+    export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+fi
+# torchrun, except that a failed rendezvous ends in one line instead of a traceback, and a failed
+# process in its own exit code and one-line reason instead of torchrun's traceback and summary.
+exec "$PYTHON" -c '
+import os
+import sys
+user_level = os.environ.get("TORCH_CPP_LOG_LEVEL")
+os.environ["TORCH_CPP_LOG_LEVEL"] = user_level or "FATAL"  # this process: no C++ trace of a store timeout
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous import RendezvousError
+from torch.distributed.run import main
+if user_level is None:
+    del os.environ["TORCH_CPP_LOG_LEVEL"]  # the training processes log as usual
+meeting = sys.argv.pop(1)
+try:
+    main()
+except RendezvousError as e:
+    reason = ": ".join([type(e).__name__] + str(e.__cause__ or e).strip().splitlines()[:1])
+    sys.exit(f"run.sh: {meeting} ({reason}); start run.sh on every machine "
+             "with the same NNODES, MASTER_ADDR and MASTER_PORT")
+except ChildFailedError as e:
+    sys.exit(e.get_first_failure()[1].exitcode % 256)
+' "$meeting" "${launch[@]}" train_gpt.py "$@"

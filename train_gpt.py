@@ -280,9 +280,12 @@ def check_config(args, world_size, cuda_available):
 
     need(all(c.isalnum() or c in "._-" for c in args.run_name) and args.run_name not in ("", ".", ".."),
          f"--run_name={args.run_name!r}: use letters, digits, '.', '_' and '-' only")
+    fitting = -(-args.micro_batches // max(world_size, 1)) * world_size
     need(world_size >= 1 and args.micro_batches % world_size == 0,
-         f"--micro_batches={args.micro_batches}: world size {world_size} must divide it "
-         f"(launch 1, 2, 4 or 8 processes for the speedrun's 8)")
+         f"--micro_batches={args.micro_batches}: world size {world_size} must divide it ("
+         + ("launch a number of processes that divides it, e.g. 1, 2, 4 or 8 for the speedrun's 8, or "
+            if cuda_available and args.device != "cpu" else "")
+         + f"set --micro_batches={fitting} or another multiple of {world_size})")
     bs = args.attn_block_size
     for name in ["train_seq_len", "val_seq_len"]:
         need(getattr(args, name) % bs == 0,
@@ -341,7 +344,9 @@ class Hardware:
     dist_backend: str
 
     @staticmethod
-    def detect(args):
+    def detect(args, ranks=None):
+        """The device of this process: on CUDA, GPU number LOCAL_RANK of its machine."""
+        ranks = ranks or Ranks()
         use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
         if args.ns_backend != "auto":
             ns_backend = args.ns_backend
@@ -349,7 +354,11 @@ class Hardware:
             ns_backend = "triton" if use_cuda and triton is not None else "torch"
         if not use_cuda:
             return Hardware(torch.device("cpu"), torch.float32, "sdpa", False, ns_backend, "gloo")
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        gpus = torch.cuda.device_count()
+        if ranks.local_world_size > gpus:
+            raise ConfigError(f"LOCAL_WORLD_SIZE={ranks.local_world_size} in the environment: this machine has "
+                              f"{gpus} GPUs; start at most one process per GPU (NPROC={gpus} ./run.sh)")
+        device = torch.device("cuda", ranks.local_rank)
         fp8_supported = torch.cuda.get_device_capability(device) >= (8, 9)  # Ada, Hopper and newer
         return Hardware(device, torch.bfloat16, "flex", args.fp8_head and fp8_supported, ns_backend, "nccl")
 
@@ -381,7 +390,10 @@ class Ranks:
 
     @staticmethod
     def from_env(environ):
-        """torchrun's variables (defaults: a single process); a malformed one is a ConfigError."""
+        """torchrun's variables (defaults: a single process). RANK and WORLD_SIZE count processes
+        over all machines (they deal the data and shard the optimizer), LOCAL_RANK and
+        LOCAL_WORLD_SIZE those on this machine (they pick the GPU and the CPU threads). A
+        malformed or inconsistent set is a ConfigError."""
         values = {}
         for name, default in (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_WORLD_SIZE", 1)):
             text = environ.get(name, str(default))
@@ -389,7 +401,24 @@ class Ranks:
             if not text.isdigit() or int(text) < least:
                 raise ConfigError(f"{name}={text!r} in the environment: expected an integer >= {least}")
             values[name] = int(text)
-        return Ranks(values["RANK"], values["LOCAL_RANK"], values["WORLD_SIZE"], values["LOCAL_WORLD_SIZE"])
+        ranks = Ranks(values["RANK"], values["LOCAL_RANK"], values["WORLD_SIZE"], values["LOCAL_WORLD_SIZE"])
+        problem = None
+        if ranks.rank >= ranks.world_size:
+            problem = f"RANK={ranks.rank} must be below WORLD_SIZE={ranks.world_size}"
+        elif ranks.local_rank >= ranks.local_world_size:
+            problem = f"LOCAL_RANK={ranks.local_rank} must be below LOCAL_WORLD_SIZE={ranks.local_world_size}"
+        elif ranks.world_size % ranks.local_world_size:
+            problem = (f"LOCAL_WORLD_SIZE={ranks.local_world_size} must divide WORLD_SIZE={ranks.world_size} "
+                       "(every machine runs the same number of processes)")
+        elif ranks.rank % ranks.local_world_size != ranks.local_rank:
+            problem = (f"RANK={ranks.rank} and LOCAL_RANK={ranks.local_rank} disagree: torchrun numbers ranks "
+                       f"machine by machine, RANK = machine x LOCAL_WORLD_SIZE={ranks.local_world_size} + LOCAL_RANK")
+        elif ranks.world_size > 1 and not (environ.get("MASTER_ADDR") and environ.get("MASTER_PORT")):
+            problem = (f"WORLD_SIZE={ranks.world_size} but no MASTER_ADDR and MASTER_PORT to meet at: "
+                       "start several processes with torchrun or ./run.sh (NPROC=N), not by setting WORLD_SIZE")
+        if problem:
+            raise ConfigError(f"{problem} in the environment")
+        return ranks
 
 
 class RankMismatch(RuntimeError):
@@ -408,7 +437,7 @@ def init_process_group(args, ranks, hw):
     try:
         dist.init_process_group(hw.dist_backend, rank=ranks.rank, world_size=ranks.world_size, timeout=timeout,
                                 **kwargs)
-    except (RuntimeError, dist.DistError) as e:
+    except (RuntimeError, ValueError, dist.DistError) as e:  # ValueError: an unusable MASTER_ADDR/PORT
         first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise RankMismatch(f"rank {ranks.rank}: could not join {ranks.world_size} ranks within "
                            f"--dist_timeout_s={args.dist_timeout_s} ({first_line})") from None
@@ -2524,13 +2553,13 @@ def main(argv=None, environ=None):
         check_log_dir(args)
         if args.resume:  # a checkpoint of another configuration is refused before anything starts
             read_checkpoint(args.resume, "resume", args)
+        hw = Hardware.detect(args, ranks)
     except ConfigError as e:
         print(f"train_gpt.py: error: {e}", file=sys.stderr)
         return 2
     except HelpRequested as e:
         print(e)
         return 0
-    hw = Hardware.detect(args)
     if hw.device.type == "cpu":
         torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // ranks.local_world_size))
         keep_freed_memory_on_cpu()

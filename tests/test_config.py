@@ -76,7 +76,7 @@ def test_bad_values_name_the_field(argv, environ, world_size, needle):
 
 def test_main_rejects_before_touching_anything(tmp_path, capsys):
     log_dir = tmp_path / "logs"
-    environ = {"WORLD_SIZE": "3", "RANK": "0", "PRESET": "speedrun"}
+    environ = {"WORLD_SIZE": "3", "RANK": "0", "PRESET": "speedrun", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
     assert train_gpt.main([f"--log_dir={log_dir}"], environ) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("train_gpt.py: error: --micro_batches=8")
