@@ -22,12 +22,18 @@ import difflib
 import functools
 import glob
 import hashlib
+import inspect
+import io
+import math
 import os
 import platform
+import re
 import resource
+import signal
 import subprocess
 import sys
 import time
+import tokenize
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -61,26 +67,26 @@ BOS_TOKEN = 50256  # GPT-2's <|endoftext|>; every document in a shard starts wit
 class Hyperparameters:
     preset: str = "speedrun"            # speedrun (default with CUDA) or cpu (default without)
     run_name: str = "dev"               # logs go to records/<date>_<run_name>/<run_id>.txt
-    log_dir: str = "records"
-    seed: int = 0
+    log_dir: str = "records"            # folder of the run logs (created if missing)
+    seed: int = 0                       # model initialization (warmup tokens use seed + 1)
     target_val_loss: float = 3.28       # the track's target, written into the log for records/compare.py
     # data
-    train_files: str = "data/fineweb10B/fineweb_train_*.bin"
-    val_files: str = "data/fineweb10B/fineweb_val_*.bin"
+    train_files: str = "data/fineweb10B/fineweb_train_*.bin"  # glob of training shards, read in name order
+    val_files: str = "data/fineweb10B/fineweb_val_*.bin"      # glob of validation shards
     val_tokens: int = 10_485_760        # the first val_tokens tokens of the validation shards
     train_seq_len: int = 48 * 1024      # tokens per rank per micro-batch
     val_seq_len: int = 4 * 64 * 1024    # tokens per rank per validation step
     micro_batches: int = 8              # micro-batches per step over all ranks; world size must divide it
     # model
     vocab_size: int = 50304             # 50257 padded to a multiple of 128
-    num_layers: int = 12
-    model_dim: int = 768
-    num_heads: int = 6
-    head_dim: int = 128
-    mlp_ratio: int = 4
+    num_layers: int = 12                # transformer blocks
+    model_dim: int = 768                # residual stream width
+    num_heads: int = 6                  # attention heads per block
+    head_dim: int = 128                 # num_heads x head_dim must equal model_dim
+    mlp_ratio: int = 4                  # MLP hidden width = mlp_ratio x model_dim
     attention_free_layers: str = "7"    # comma-separated block indices that have only an MLP
     num_value_embeds: int = 3           # value embeddings added in blocks 0,1,2 and again in the last 3
-    attn_scale: float = 0.12
+    attn_scale: float = 0.12            # attention logit scale (instead of 1/sqrt(head_dim))
     rotary_base: float = 1024.0         # rotary frequencies (1/base)^linspace(0, 1)
     logit_softcap: float = 15.0         # logits = 2*cap*sigmoid(z/(cap/2)) = 30*sigmoid(z/7.5)
     attn_block_size: int = 128          # FlexAttention block; windows are whole blocks
@@ -88,34 +94,35 @@ class Hyperparameters:
     window_start_tokens: int = 128      # the long window grows linearly from this ...
     window_end_tokens: int = 1792       # ... to this over training
     fp8_head: bool = True               # FP8 lm_head where the GPU supports it (off on CPU and pre-Ada GPUs)
-    compile: bool = True
+    compile: bool = True                # torch.compile the blocks and the head
     # optimization
-    num_iterations: int = 1750
+    num_iterations: int = 1750          # training steps
     cooldown_frac: float = 0.45         # lr constant, then linear decay over this final fraction
     final_lr_frac: float = 0.1          # lr multiplier reached at the last step
-    adam_lr: float = 0.008
-    adam_beta1: float = 0.8
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-10
+    adam_lr: float = 0.008              # Adam learning rate, times the *_lr_mult below per parameter kind
+    adam_beta1: float = 0.8             # Adam first-moment decay
+    adam_beta2: float = 0.95            # Adam second-moment decay
+    adam_eps: float = 1e-10             # Adam epsilon
     embed_lr_mult: float = 75.0         # embeddings train at adam_lr * 75
-    head_lr_mult: float = 1.0
-    scalar_lr_mult: float = 5.0
+    head_lr_mult: float = 1.0           # lm_head trains at adam_lr * this
+    scalar_lr_mult: float = 5.0         # scalar gates and lambdas train at adam_lr * this
     adam_shard_min_numel: int = 65536   # Adam parameters at least this big are row-sharded; smaller ones all-reduced
-    muon_lr: float = 0.05
-    muon_momentum_start: float = 0.85
-    muon_momentum_end: float = 0.95
-    muon_momentum_warmup_steps: int = 300
+    muon_lr: float = 0.05               # Muon learning rate of the block matrices
+    muon_momentum_start: float = 0.85   # Muon momentum at step 0 ...
+    muon_momentum_end: float = 0.95     # ... rising linearly to this
+    muon_momentum_warmup_steps: int = 300  # ... over this many steps
     muon_bucket_matrices: int = 8       # matrices per gradient reduce-scatter (rounded up to a multiple of world size)
     ns_method: str = "aol"              # aol (Turbo-Muon), polar_express or newton_schulz
     ns_backend: str = "auto"            # triton on CUDA, torch elsewhere; or force one
     normuon: bool = False               # NorMuon variance normalization after orthogonalization
-    normuon_beta2: float = 0.95
+    normuon_beta2: float = 0.95         # NorMuon second-moment decay
     weight_decay: float = 0.0           # Muon weight decay (decoupled, scaled by lr)
     cautious_wd: bool = False           # decay only entries where update and parameter agree in sign
     overlap_comms: bool = True          # launch gradient reduce-scatters from backward hooks
     # loop
     val_every: int = 125                # validate every N steps (0: only at the end)
     warmup_steps: int = 10              # untimed compile/kernel warmup steps, then state reset
+    check_every: int = 10               # steps between checks for a non-finite loss or a stop signal (one host-GPU sync)
     device: str = "auto"                # auto, cuda or cpu
     threads: int = 0                    # CPU threads per process (0: cores / local processes)
     dist_timeout_s: int = 900           # a dead rank raises after this long instead of hanging
@@ -144,6 +151,7 @@ PRESETS = {
         compile=False,
         num_iterations=120,
         val_every=40,
+        check_every=1,                  # a host sync costs nothing on CPU, and steps are long
         warmup_steps=2,
         muon_momentum_warmup_steps=50,
         dist_timeout_s=120,
@@ -157,6 +165,9 @@ REPO_DIR = os.path.dirname(os.path.abspath(__file__))
 
 NS_METHODS = ("aol", "polar_express", "newton_schulz")
 NS_BACKENDS = ("torch", "triton")
+# Fields that take one of a fixed set of values (booleans aside); check_config and --help read this.
+CHOICES = dict(preset=tuple(PRESETS), ns_method=NS_METHODS, ns_backend=("auto",) + NS_BACKENDS,
+               device=("auto", "cpu", "cuda"))
 
 
 class ConfigError(ValueError):
@@ -188,10 +199,12 @@ def parse_config(argv, environ, world_size=1, cuda_available=None):
     kinds = {f.name: f.type for f in dataclasses.fields(Hyperparameters)}
 
     cli = {}
+    help_requested = False
     it = iter(argv)
     for token in it:
         if token in ("-h", "--help"):
-            raise HelpRequested(config_help())
+            help_requested = True
+            continue
         if not token.startswith("--"):
             raise ConfigError(f"unexpected argument {token!r}: options look like --field value")
         name, sep, value = token[2:].partition("=")
@@ -216,15 +229,39 @@ def parse_config(argv, environ, world_size=1, cuda_available=None):
         elif name.upper() in environ:
             values[name] = _parse_value(name, environ[name.upper()], kind)
     args = Hyperparameters(**values)
+    if help_requested:  # after the overrides, so the help shows the values this run would use
+        raise HelpRequested(config_help(args))
     check_config(args, world_size, cuda_available)
     return args
 
 
-def config_help():
-    lines = ["usage: train_gpt.py [--field value ...]   (or FIELD=value in the environment)", "fields:"]
-    for f in dataclasses.fields(Hyperparameters):
-        lines.append(f"  --{f.name} ({f.type.__name__}, speedrun default {f.default!r})")
-    lines.append("presets: " + ", ".join(PRESETS))
+def field_descriptions():
+    """Each field's trailing comment in the Hyperparameters source: the one place it is written."""
+    source = inspect.getsource(Hyperparameters)
+    comments = {token.start[0]: token.string.lstrip("#").strip()
+                for token in tokenize.generate_tokens(io.StringIO(source).readline) if token.type == tokenize.COMMENT}
+    descriptions = {}
+    for number, line in enumerate(source.splitlines(), start=1):
+        match = re.match(r"\s+(\w+):", line)
+        if match and number in comments:
+            descriptions[match.group(1)] = comments[number]
+    return descriptions
+
+
+def config_help(args):
+    descriptions = field_descriptions()
+    lines = ["usage: train_gpt.py [--field value ...]   (or FIELD=value in the environment)",
+             f"Values are those of the {args.preset} preset with this environment and command line; "
+             f"presets: {', '.join(PRESETS)} (--preset, default {'speedrun' if torch.cuda.is_available() else 'cpu'} "
+             "on this machine).", ""]
+    settings = [(f"--{f.name}={getattr(args, f.name)}", f) for f in dataclasses.fields(Hyperparameters)]
+    width = max(len(setting) for setting, _ in settings) + 2
+    for setting, f in settings:
+        text = descriptions.get(f.name, "")
+        choices = CHOICES.get(f.name) or (("true", "false") if f.type is bool else None)
+        if choices:
+            text += f" [{'|'.join(choices)}]"
+        lines.append(f"  {setting.ljust(width)}{f.type.__name__:6} {text}".rstrip())
     return "\n".join(lines)
 
 
@@ -233,13 +270,30 @@ def _layer_list(text):
 
 
 def check_log_dir(args):
-    """The run's log folder must be creatable and writable (checked before any work starts)."""
-    folder = args.log_dir
-    while folder and not os.path.exists(folder):  # the nearest existing ancestor decides
-        folder = os.path.dirname(folder)
-    folder = folder or "."
-    if not os.path.isdir(folder) or not os.access(folder, os.W_OK | os.X_OK):
-        raise ConfigError(f"--log_dir={args.log_dir!r}: {folder!r} is not a writable directory")
+    """The run's log folder must be creatable and writable: checked by creating it and writing a
+    probe file there (permission bits alone would pass /proc for root), then removing both again."""
+    folder = os.path.join(args.log_dir, f"{datetime.date.today().isoformat()}_{args.run_name}")
+    created = []
+    probe = os.path.join(folder, f".probe-{uuid.uuid4()}")
+    try:
+        missing = folder
+        while missing and not os.path.isdir(missing):
+            created.append(missing)
+            missing = os.path.dirname(missing)
+        os.makedirs(folder, exist_ok=True)
+        with open(probe, "x") as f:
+            f.write("probe\n")
+    except OSError as e:
+        raise ConfigError(f"--log_dir={args.log_dir!r}: cannot write a file in {folder!r} "
+                          f"({e.strerror or e})") from None
+    finally:
+        if os.path.exists(probe):
+            os.remove(probe)
+        for path in created:  # deepest first; a run that fails before logging leaves nothing behind
+            try:
+                os.rmdir(path)
+            except OSError:
+                pass
 
 
 def check_config(args, world_size, cuda_available):
@@ -248,9 +302,12 @@ def check_config(args, world_size, cuda_available):
         if not ok:
             raise ConfigError(message)
 
+    for f in dataclasses.fields(args):  # inf and nan would pass the range checks below, or fail them obscurely
+        if f.type is float:
+            need(math.isfinite(getattr(args, f.name)), f"--{f.name}={getattr(args, f.name)}: must be a finite number")
     positive = ["val_tokens", "train_seq_len", "val_seq_len", "micro_batches", "vocab_size", "num_layers",
                 "model_dim", "num_heads", "head_dim", "mlp_ratio", "attn_block_size", "num_iterations",
-                "window_start_tokens", "window_end_tokens", "muon_bucket_matrices", "dist_timeout_s"]
+                "window_start_tokens", "window_end_tokens", "muon_bucket_matrices", "dist_timeout_s", "check_every"]
     for name in positive:
         need(getattr(args, name) > 0, f"--{name}={getattr(args, name)}: must be positive")
     for name in ["val_every", "warmup_steps", "threads", "num_value_embeds", "muon_momentum_warmup_steps",
@@ -301,10 +358,8 @@ def check_config(args, world_size, cuda_available):
     need(not value_embed_layers & set(free),
          f"--attention_free_layers={args.attention_free_layers!r}: blocks {sorted(value_embed_layers & set(free))} "
          f"take value embeddings (num_value_embeds={n_ve}) and need attention")
-    need(args.ns_method in NS_METHODS, f"--ns_method={args.ns_method!r}: expected one of {', '.join(NS_METHODS)}")
-    need(args.ns_backend in ("auto",) + NS_BACKENDS,
-         f"--ns_backend={args.ns_backend!r}: expected auto, {', '.join(NS_BACKENDS)}")
-    need(args.device in ("auto", "cpu", "cuda"), f"--device={args.device!r}: expected auto, cpu or cuda")
+    for name, allowed in CHOICES.items():
+        need(getattr(args, name) in allowed, f"--{name}={getattr(args, name)!r}: expected one of {', '.join(allowed)}")
     need(args.device != "cuda" or cuda_available, "--device=cuda: no CUDA device is available")
     uses_cuda = args.device == "cuda" or (args.device == "auto" and cuda_available)
     need(args.ns_backend != "triton" or triton is not None, "--ns_backend=triton: triton is not installed")
@@ -1651,6 +1706,11 @@ def long_window_blocks_at(step, args):
 # size. The next shard is read by a background thread.
 
 SHARD_MAGIC, SHARD_VERSION, SHARD_HEADER_INTS = 20240520, 1, 256
+SHARD_HEADER_BYTES = SHARD_HEADER_INTS * 4
+# Shards hold GPT-2 tokens: ids 0..50256. The model's vocab_size only pads this for speed, so an
+# id in the padding (50257..50303) is a corrupt shard, not a token to train on. data/shards.py
+# reads shards with the functions below, so every tool applies this one rule with these messages.
+GPT2_VOCAB_SIZE = 50257
 
 
 class DataError(ValueError):
@@ -1664,33 +1724,50 @@ class DataExhausted(RuntimeError):
 def read_shard_header(path):
     """Validate the header and size of a shard; return its token count."""
     try:
-        size = os.path.getsize(path)
         with open(path, "rb") as f:
-            header = np.frombuffer(f.read(SHARD_HEADER_INTS * 4), dtype="<i4")
+            raw = f.read(SHARD_HEADER_BYTES)
+            size = os.fstat(f.fileno()).st_size
     except OSError as e:
-        raise DataError(f"{path}: cannot read ({e.strerror})") from None
-    if header.size < SHARD_HEADER_INTS:
-        raise DataError(f"{path}: too short for a shard header ({size} bytes)")
-    if header[0] != SHARD_MAGIC:
-        raise DataError(f"{path}: bad magic {header[0]} (expected {SHARD_MAGIC})")
-    if header[1] != SHARD_VERSION:
-        raise DataError(f"{path}: unsupported version {header[1]} (expected {SHARD_VERSION})")
-    count = int(header[2])
-    expected = SHARD_HEADER_INTS * 4 + 2 * count
-    if size != expected:
-        raise DataError(f"{path}: header says {count} tokens ({expected} bytes) but the file has {size} bytes")
+        raise DataError(f"{path}: cannot read ({e.strerror or e})") from None
+    if len(raw) < SHARD_HEADER_BYTES:
+        raise DataError(f"{path}: too short for a shard header ({len(raw)} bytes, need {SHARD_HEADER_BYTES})")
+    magic, version, count = (int(x) for x in np.frombuffer(raw, dtype="<i4")[:3])
+    if magic != SHARD_MAGIC:
+        raise DataError(f"{path}: bad magic {magic} (expected {SHARD_MAGIC})")
+    if version != SHARD_VERSION:
+        raise DataError(f"{path}: unsupported version {version} (expected {SHARD_VERSION})")
+    if count < 0:
+        raise DataError(f"{path}: negative token count {count} in header")
+    expected = SHARD_HEADER_BYTES + 2 * count
+    if size < expected:
+        raise DataError(f"{path}: truncated: header says {count} tokens ({expected} bytes) but the file has {size} bytes")
+    if size > expected:
+        raise DataError(f"{path}: {size - expected} trailing bytes: header says {count} tokens ({expected} bytes) "
+                        f"but the file has {size} bytes")
     return count
 
 
-def load_shard(path, vocab_size, max_tokens=None, pin_memory=False):
-    """The shard's tokens (its first max_tokens, if given) as a uint16 tensor, checked against the
-    vocabulary. Pinned memory lets batches go to the GPU without stalling the host."""
+def read_shard_tokens(path, vocab_size=GPT2_VOCAB_SIZE, max_tokens=None):
+    """The shard's tokens (its first max_tokens, if given) as a uint16 array, every one checked to
+    be below vocab_size."""
     count = read_shard_header(path)
     if max_tokens is not None:
         count = min(count, max_tokens)
-    tokens = np.fromfile(path, dtype="<u2", count=count, offset=SHARD_HEADER_INTS * 4)
+    try:
+        tokens = np.fromfile(path, dtype="<u2", count=count, offset=SHARD_HEADER_BYTES)
+    except OSError as e:
+        raise DataError(f"{path}: cannot read ({e.strerror or e})") from None
+    if tokens.size != count:  # the file shrank while we were reading it
+        raise DataError(f"{path}: truncated: read {tokens.size} of {count} tokens")
     _check_token_range(path, tokens, vocab_size)
-    out = torch.empty(count, dtype=torch.uint16, pin_memory=pin_memory)
+    return tokens
+
+
+def load_shard(path, vocab_size, max_tokens=None, pin_memory=False):
+    """The shard's tokens as a uint16 tensor; they must be GPT-2 tokens, which the model's padded
+    vocab_size covers. Pinned memory lets batches go to the GPU without stalling the host."""
+    tokens = read_shard_tokens(path, min(vocab_size, GPT2_VOCAB_SIZE), max_tokens)
+    out = torch.empty(tokens.size, dtype=torch.uint16, pin_memory=pin_memory)
     out.copy_(torch.from_numpy(tokens))
     return out
 
@@ -1698,17 +1775,19 @@ def load_shard(path, vocab_size, max_tokens=None, pin_memory=False):
 def _check_token_range(path, tokens, vocab_size, offset=0):
     if tokens.size and int(tokens.max()) >= vocab_size:
         bad = int(np.argmax(tokens >= vocab_size))
-        raise DataError(f"{path}: token {int(tokens[bad])} at position {offset + bad} is >= vocab_size {vocab_size}")
+        raise DataError(f"{path}: token {int(tokens[bad])} at index {offset + bad} is >= vocab size {vocab_size}")
 
 
 def check_shard_tokens(paths, vocab_size, chunk=1 << 24):
-    """Every token of every shard below the vocabulary size: checked before training starts, so a
-    bad shard late in the list cannot end a run hours in. Reads in chunks, keeps nothing."""
+    """Every token of every shard a GPT-2 token (see load_shard): checked before training starts,
+    so a bad shard late in the list cannot end a run hours in. Reads in chunks, keeps nothing."""
     for path in paths:
         count = read_shard_header(path)
-        tokens = np.memmap(path, dtype="<u2", mode="r", offset=SHARD_HEADER_INTS * 4, shape=(count,))
+        if count == 0:
+            continue
+        tokens = np.memmap(path, dtype="<u2", mode="r", offset=SHARD_HEADER_BYTES, shape=(count,))
         for start in range(0, count, chunk):
-            _check_token_range(path, tokens[start:start + chunk], vocab_size, start)
+            _check_token_range(path, tokens[start:start + chunk], min(vocab_size, GPT2_VOCAB_SIZE), start)
 
 
 def find_shards(pattern, what):
