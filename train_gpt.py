@@ -1936,26 +1936,39 @@ def data_shortfall(files, args):
 
 class RunLog:
     """records/<YYYY-MM-DD>_<run_name>/<run_id>.txt, written by rank 0 only, never overwritten.
-    The file appears with the first line written, so a run that fails during set-up leaves none."""
+    The file appears with the first line written (the header, after the data checks), so a run
+    that fails during set-up leaves none. A failed write (a full disk) is not raised here: it is
+    kept in `error`, later lines go to the console only, and the training loop ends the run at its
+    next check, on every rank; what the file already holds stays as it is."""
 
     def __init__(self, args, ranks, echo=True):
         self.echo = echo and ranks.is_master
         self.path = None
+        self.error = None
         if ranks.is_master:
             folder = os.path.join(args.log_dir, f"{datetime.date.today().isoformat()}_{args.run_name}")
             self.path = os.path.join(folder, f"{uuid.uuid4()}.txt")
-        self._created = False
+        self.started = False
 
     def __call__(self, text, console=True):
         if self.path is None:
             return
+        if not self.started and self.echo:
+            print(f"logging to {self.path}", flush=True)
         if console and self.echo:
             print(text, flush=True)
-        if not self._created:
+        if self.error is None:
+            try:
+                self._append(text)
+            except OSError as e:
+                self.error = f"cannot write the log {self.path} ({e.strerror or e})"
+        self.started = True
+
+    def _append(self, text):
+        if not self.started:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
             with open(self.path, "x"):  # 'x': fail rather than overwrite an existing log
                 pass
-            self._created = True
         with open(self.path, "a") as f:
             f.write(text + "\n")
 
@@ -1975,7 +1988,13 @@ def hardware_description(hw):
     return f"CPU: {model} x{os.cpu_count()}"
 
 
-def log_header(log, args, ranks, hw, model, optimizer, data_note):
+def shown_paths(paths):
+    """Comma-separated, relative to the repository where they lie inside it."""
+    return ",".join(os.path.relpath(p, REPO_DIR) if os.path.abspath(p).startswith(REPO_DIR + os.sep) else p
+                    for p in paths)
+
+
+def log_header(log, args, ranks, hw, model, optimizer, data_note, data_files=None):
     log(open(__file__).read(), console=False)
     log("=" * 100, console=False)
     log(f"Running Python {sys.version}", console=False)
@@ -1983,8 +2002,10 @@ def log_header(log, args, ranks, hw, model, optimizer, data_note):
     log(f"Running PyTorch {torch.__version__} {cuda}", console=False)
     log(f"Running Triton version {triton.__version__ if triton else 'not installed'}", console=False)
     log(hardware_description(hw), console=False)
+    # train_files/val_files name the shards actually read (the cpu preset may fall back to the sample)
+    shown = dict(zip(("train_files", "val_files"), map(shown_paths, data_files))) if data_files else {}
     for f in dataclasses.fields(args):
-        log(f"{f.name}={getattr(args, f.name)}", console=False)
+        log(f"{f.name}={shown.get(f.name, getattr(args, f.name))}", console=False)
     # What this machine made of the configuration, in the same key=value form.
     effective = dict(world_size=ranks.world_size, effective_device=hw.device.type,
                      effective_compute_dtype=str(hw.compute_dtype).removeprefix("torch."),
@@ -2008,6 +2029,38 @@ class TrainResult:
     steps_done: int = 0
     train_time_ms: float = 0.0
     stopped_early: str | None = None
+    failure: str | None = None   # the line that ended the run: divergence, a signal, a failed log write
+    exit_code: int = 0
+
+
+# Exit codes of main(); an interrupted run exits with 128 + the signal's number (130 SIGINT, 143 SIGTERM).
+EXIT_ERROR, EXIT_CONFIG, EXIT_DATA_RAN_OUT, EXIT_DIVERGED = 1, 2, 3, 4
+
+
+class Interrupted(Exception):
+    """SIGINT or SIGTERM arrived outside the training loop (set-up, compilation, warmup)."""
+
+
+class StopSignals:
+    """SIGINT and SIGTERM, once main() installs this. Inside the training loop a signal is only
+    recorded: the loop stops at its next check, which every rank reaches at the same step, so all
+    of them leave the process group together. Elsewhere it raises Interrupted at once. Under
+    torchrun a rank gets Ctrl-C twice (from the terminal, then forwarded), so repeats are ignored."""
+
+    def __init__(self):
+        self.signum = None
+        self.deferred = False
+
+    def install(self):
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, self._on_signal)
+
+    def _on_signal(self, signum, frame):
+        if self.signum is not None:
+            return
+        self.signum = signum
+        if not self.deferred:
+            raise Interrupted()
 
 
 def peak_memory_line(hw):
@@ -2018,14 +2071,21 @@ def peak_memory_line(hw):
     return f"peak memory allocated: {peak_rss} MiB reserved: {peak_rss} MiB"
 
 
+def log_error(log):
+    """The log's failed write, if any (tests log to plain functions, which never fail)."""
+    return getattr(log, "error", None)
+
+
 def synchronize(hw):
     if hw.device.type == "cuda":
         torch.cuda.synchronize(hw.device)
 
 
-def train(args, ranks, hw, log, collectives=None, on_step=None):
+def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
     """Build everything and run the timed training loop; returns the losses seen.
-    on_step(step, model, optimizer), if given, runs after each optimizer step (tests use it)."""
+    on_step(step, model, optimizer), if given, runs after each optimizer step (tests use it).
+    stop: the StopSignals main() installed (None: signals are not watched)."""
+    stop = stop or StopSignals()
     torch.manual_seed(args.seed)
     train_files, val_files, data_note = resolve_data_files(args)
     pin = hw.device.type == "cuda"
@@ -2042,7 +2102,7 @@ def train(args, ranks, hw, log, collectives=None, on_step=None):
     optimizer = ShardedMuonAdam(specs, args, ranks, hw, collectives)
     if args.compile:
         model.compile_regions()
-    log_header(log, args, ranks, hw, model, optimizer, data_note)
+    log_header(log, args, ranks, hw, model, optimizer, data_note, (train_files, val_files))
     shortfall = data_shortfall(train_files, args)
     if shortfall:
         log(shortfall)
@@ -2101,13 +2161,44 @@ def train(args, ranks, hw, log, collectives=None, on_step=None):
 
     result = TrainResult()
     step_losses = []
+    checked = 0  # step_losses[:checked] are known to be finite
+
+    def check(step):
+        """Why the run must stop now, as (line, exit code), or None: the same answer on every rank.
+        Reads the losses since the last check in one transfer (the only host-GPU sync it costs)."""
+        nonlocal checked
+        recent = step_losses[checked:]
+        flags = [stop.signum == signal.SIGINT, stop.signum == signal.SIGTERM, log_error(log) is not None]
+        values = torch.cat([torch.stack(recent).float() if recent else torch.zeros(0, device=hw.device),
+                            torch.tensor(flags, dtype=torch.float32, device=hw.device)])
+        if ranks.world_size > 1:
+            dist.all_reduce(values)  # a sum: nan or inf on any rank stays non-finite
+        *losses, sigint, sigterm, log_failed = values.tolist()
+        if sigint or sigterm:
+            signum = signal.SIGINT if sigint else signal.SIGTERM
+            return f"interrupted at step {step}/{N} ({signal.Signals(signum).name})", 128 + signum
+        bad = [i for i, loss in enumerate(losses) if not math.isfinite(loss)]
+        if bad:
+            return (f"diverged at step {checked + bad[0] + 1}/{N}: train loss is {losses[bad[0]]} "
+                    f"(stopped at step {step})", EXIT_DIVERGED)
+        if log_failed:
+            return f"{log_error(log) or 'rank 0 cannot write the log'} at step {step}/{N}", EXIT_ERROR
+        checked = len(step_losses)
+        return None
+
     training_time_ms = 0.0
     synchronize(hw)
     t0 = time.perf_counter()
     N = args.num_iterations
     step = 0
+    stop.deferred = True  # from here on a signal ends the run at the next check, on every rank
     while True:
         last_step = step == N or result.stopped_early is not None
+        if last_step or step % args.check_every == 0 or (ranks.world_size == 1 and stop.signum):
+            ending = check(step)
+            if ending:
+                result.failure, result.exit_code = ending
+                break
         if last_step or (args.val_every > 0 and step % args.val_every == 0):
             synchronize(hw)
             training_time_ms += 1000 * (time.perf_counter() - t0)
@@ -2115,6 +2206,9 @@ def train(args, ranks, hw, log, collectives=None, on_step=None):
             result.val_losses.append((step, val_loss))
             log(f"step:{step}/{N} val_loss:{val_loss:.4f} train_time:{training_time_ms:.0f}ms "
                 f"step_avg:{training_time_ms / max(step, 1):.2f}ms")
+            if not math.isfinite(val_loss):  # the same value on every rank
+                result.failure, result.exit_code = f"diverged at step {step}/{N}: val_loss is {val_loss}", EXIT_DIVERGED
+                break
             synchronize(hw)
             t0 = time.perf_counter()
         if last_step:
@@ -2133,6 +2227,8 @@ def train(args, ranks, hw, log, collectives=None, on_step=None):
             on_step(step, model, optimizer)
         approx_ms = training_time_ms + 1000 * (time.perf_counter() - t0)
         log(f"step:{step}/{N} train_time:{approx_ms:.0f}ms step_avg:{approx_ms / step:.2f}ms")
+    if result.failure and result.exit_code != EXIT_ERROR:  # a failed log write is reported by main()
+        log(result.failure)
     log(peak_memory_line(hw))
 
     losses = torch.stack(step_losses) if step_losses else torch.zeros(0, device=hw.device)
@@ -2152,30 +2248,42 @@ def main(argv=None, environ=None):
     try:
         ranks = Ranks.from_env(environ)
         args = parse_config(argv, environ, ranks.world_size)
-        check_log_dir(args)
+        if ranks.is_master:  # the only rank that writes there
+            check_log_dir(args)
     except ConfigError as e:
         print(f"train_gpt.py: error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
     except HelpRequested as e:
         print(e)
         return 0
+    stop = StopSignals()
+    stop.install()
     hw = Hardware.detect(args)
     if hw.device.type == "cpu":
         torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // ranks.local_world_size))
         keep_freed_memory_on_cpu()
+    log = RunLog(args, ranks)
     try:
         init_process_group(args, ranks, hw)
-        log = RunLog(args, ranks)
-        if ranks.is_master:
-            print(f"logging to {log.path}", flush=True)
-        result = train(args, ranks, hw, log)
+        result = train(args, ranks, hw, log, stop=stop)
     except (DataError, RankMismatch) as e:
         print(f"train_gpt.py: error: {e}", file=sys.stderr)
-        return 1
+        return EXIT_ERROR
+    except Interrupted:  # before the training loop: nothing trained yet
+        report = log if log.started else functools.partial(print, flush=True)
+        report(f"interrupted at step 0/{args.num_iterations} ({signal.Signals(stop.signum).name})")
+        report(peak_memory_line(hw))
+        return 128 + stop.signum
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    return 3 if result.stopped_early else 0
+    if result.exit_code == EXIT_ERROR or (log.error and not result.exit_code):  # a write may fail after the last check
+        line = result.failure or f"{log.error} at step {result.steps_done}/{args.num_iterations}"
+        print(f"train_gpt.py: error: {line}; the lines written before are kept", file=sys.stderr)
+        return EXIT_ERROR
+    if result.exit_code:
+        return result.exit_code
+    return EXIT_DATA_RAN_OUT if result.stopped_early else 0
 
 
 if __name__ == "__main__":
