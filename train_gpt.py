@@ -32,6 +32,7 @@ import resource
 import signal
 import subprocess
 import sys
+import threading
 import time
 import tokenize
 import uuid
@@ -1932,7 +1933,9 @@ def data_shortfall(files, args):
 # exercise every kernel on random tokens (untimed); then model and optimizer are reset to their
 # initial state, so warmup cannot help the run. The clock runs during training steps, including
 # building the loader from the first shard; it stops for validation. Everything printed goes to
-# the console and to the run's log, in the public speedrun's line formats.
+# the console and to the run's log, in the public speedrun's line formats. A run that goes wrong
+# (a non-finite loss, SIGINT/SIGTERM, a log write that fails) stops at the next check, made every
+# check_every steps by all ranks together, and ends in one line; main() maps it to an exit code.
 
 class RunLog:
     """records/<YYYY-MM-DD>_<run_name>/<run_id>.txt, written by rank 0 only, never overwritten.
@@ -2050,10 +2053,17 @@ class StopSignals:
     def __init__(self):
         self.signum = None
         self.deferred = False
+        self._previous = {}
 
     def install(self):
+        if threading.current_thread() is not threading.main_thread():
+            return  # Python delivers signals to the main thread only; elsewhere the caller's handling stays
         for signum in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(signum, self._on_signal)
+            self._previous[signum] = signal.signal(signum, self._on_signal)
+
+    def uninstall(self):  # main() called in-process (tests) must leave the caller's handlers as they were
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
 
     def _on_signal(self, signum, frame):
         if self.signum is not None:
@@ -2256,13 +2266,13 @@ def main(argv=None, environ=None):
     except HelpRequested as e:
         print(e)
         return 0
-    stop = StopSignals()
-    stop.install()
     hw = Hardware.detect(args)
     if hw.device.type == "cpu":
         torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // ranks.local_world_size))
         keep_freed_memory_on_cpu()
     log = RunLog(args, ranks)
+    stop = StopSignals()
+    stop.install()
     try:
         init_process_group(args, ranks, hw)
         result = train(args, ranks, hw, log, stop=stop)
@@ -2277,6 +2287,7 @@ def main(argv=None, environ=None):
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        stop.uninstall()
     if result.exit_code == EXIT_ERROR or (log.error and not result.exit_code):  # a write may fail after the last check
         line = result.failure or f"{log.error} at step {result.steps_done}/{args.num_iterations}"
         print(f"train_gpt.py: error: {line}; the lines written before are kept", file=sys.stderr)

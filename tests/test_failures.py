@@ -69,6 +69,7 @@ def test_diverged_run_exits_4_with_one_line_and_a_complete_log(tmp_path, make_sh
     assert body[-2] == "diverged at step 2/20: train loss is nan (stopped at step 5)"
     assert PEAK.match(body[-1])
     assert capsys.readouterr().out.splitlines()[-2:] == body[-2:]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # main() put pytest's handler back
 
 
 # ------------------------------------------------------------------------------ signals
@@ -169,20 +170,20 @@ def fail_log_writes(monkeypatch, when):
     monkeypatch.setattr(train_gpt.RunLog, "_append", append)
 
 
-@pytest.mark.parametrize("when, step", [(lambda text: text.startswith("step:3/20 train"), 3),
-                                        (lambda text: text.startswith("peak memory"), 20)])
+@pytest.mark.parametrize("when, step", [(lambda text: text.startswith("step:3/6 train"), 3),
+                                        (lambda text: text.startswith("peak memory"), 6)])
 def test_full_disk_ends_the_run_with_one_line_naming_the_log_and_the_step(tmp_path, make_shards, monkeypatch,
                                                                           capsys, when, step):
     train_glob, val_glob, _ = make_shards()
     log_dir = tmp_path / "records"
     fail_log_writes(monkeypatch, when)
-    argv = tiny_argv(train_files=train_glob, val_files=val_glob, log_dir=log_dir, num_iterations=20, val_every=0,
+    argv = tiny_argv(train_files=train_glob, val_files=val_glob, log_dir=log_dir, num_iterations=6, val_every=0,
                      check_every=1)
     assert train_gpt.main(argv, {}) == train_gpt.EXIT_ERROR
     path = next(log_dir.glob("*/*.txt"))
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"train_gpt.py: error: cannot write the log {path} (No space left on device) at step {step}/20; "
+    assert err == [f"train_gpt.py: error: cannot write the log {path} (No space left on device) at step {step}/6; "
                    "the lines written before are kept"]
     text = path.read_text()
     assert text.endswith("\n")  # whole lines only, up to the one that failed
-    assert text.splitlines()[-1].startswith("step:2/20 train_time" if step == 3 else "step:20/20 val_loss")
+    assert text.splitlines()[-1].startswith("step:2/6 train_time" if step == 3 else "step:6/6 val_loss")
