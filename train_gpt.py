@@ -106,7 +106,7 @@ class Hyperparameters:
     adam_eps: float = 1e-10             # Adam epsilon
     embed_lr_mult: float = 75.0         # embeddings train at adam_lr * 75
     head_lr_mult: float = 1.0           # lm_head trains at adam_lr * this
-    scalar_lr_mult: float = 5.0         # scalar gates and lambdas train at adam_lr * this
+    scalar_lr_mult: float = 5.0         # scalar parameters train at adam_lr * this
     adam_shard_min_numel: int = 65536   # Adam parameters at least this big are row-sharded; smaller ones all-reduced
     muon_lr: float = 0.05               # Muon learning rate of the block matrices
     muon_momentum_start: float = 0.85   # Muon momentum at step 0 ...
