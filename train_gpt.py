@@ -2170,6 +2170,7 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
         log("Resetting Model")
 
     result = TrainResult()
+    N = args.num_iterations
     step_losses = []
     checked = 0  # step_losses[:checked] are known to be finite
 
@@ -2199,7 +2200,6 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
     training_time_ms = 0.0
     synchronize(hw)
     t0 = time.perf_counter()
-    N = args.num_iterations
     step = 0
     stop.deferred = True  # from here on a signal ends the run at the next check, on every rank
     while True:
