@@ -24,12 +24,19 @@ import functools
 import glob
 import hashlib
 import importlib.util
+import inspect
+import io
+import math
 import os
 import platform
+import re
 import resource
+import signal
 import subprocess
 import sys
+import threading
 import time
+import tokenize
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -65,26 +72,26 @@ BOS_TOKEN = 50256  # GPT-2's <|endoftext|>; every document in a shard starts wit
 class Hyperparameters:
     preset: str = "speedrun"            # speedrun (default with CUDA) or cpu (default without)
     run_name: str = "dev"               # logs go to records/<date>_<run_name>/<run_id>.txt
-    log_dir: str = "records"
-    seed: int = 0
+    log_dir: str = "records"            # folder of the run logs (created if missing)
+    seed: int = 0                       # model initialization (warmup tokens use seed + 1)
     target_val_loss: float = 3.28       # the track's target, written into the log for records/compare.py
     # data
-    train_files: str = "data/fineweb10B/fineweb_train_*.bin"
-    val_files: str = "data/fineweb10B/fineweb_val_*.bin"
+    train_files: str = "data/fineweb10B/fineweb_train_*.bin"  # glob of training shards, read in name order
+    val_files: str = "data/fineweb10B/fineweb_val_*.bin"      # glob of validation shards
     val_tokens: int = 10_485_760        # the first val_tokens tokens of the validation shards
     train_seq_len: int = 48 * 1024      # tokens per rank per micro-batch
     val_seq_len: int = 4 * 64 * 1024    # tokens per rank per validation step
     micro_batches: int = 8              # micro-batches per step over all ranks; world size must divide it
     # model
     vocab_size: int = 50304             # 50257 padded to a multiple of 128
-    num_layers: int = 12
-    model_dim: int = 768
-    num_heads: int = 6
-    head_dim: int = 128
-    mlp_ratio: int = 4
+    num_layers: int = 12                # transformer blocks
+    model_dim: int = 768                # residual stream width
+    num_heads: int = 6                  # attention heads per block
+    head_dim: int = 128                 # num_heads x head_dim must equal model_dim
+    mlp_ratio: int = 4                  # MLP hidden width = mlp_ratio x model_dim
     attention_free_layers: str = "7"    # comma-separated block indices that have only an MLP
     num_value_embeds: int = 3           # value embeddings added in blocks 0,1,2 and again in the last 3
-    attn_scale: float = 0.12
+    attn_scale: float = 0.12            # attention logit scale (instead of 1/sqrt(head_dim))
     rotary_base: float = 1024.0         # rotary frequencies (1/base)^linspace(0, 1)
     logit_softcap: float = 15.0         # logits = 2*cap*sigmoid(z/(cap/2)) = 30*sigmoid(z/7.5)
     attn_block_size: int = 128          # FlexAttention block; windows are whole blocks
@@ -92,34 +99,35 @@ class Hyperparameters:
     window_growth_tokens: int = 1728    # long window: this x training progress, rounded up to whole blocks (>= 1)
     fp8_head: bool = True               # FP8 lm_head where the GPU supports it (off on CPU and pre-Ada GPUs)
     bf16_embeds: bool = True            # embeddings, value embeddings and their Adam moments in bf16
-    compile: bool = True
+    compile: bool = True                # torch.compile the blocks and the head
     # optimization
-    num_iterations: int = 1695
+    num_iterations: int = 1695          # training steps
     cooldown_frac: float = 0.45         # lr constant, then linear decay over this final fraction
     final_lr_frac: float = 0.1          # lr multiplier reached at the last step
-    adam_lr: float = 0.008
-    adam_beta1: float = 0.8
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-10
+    adam_lr: float = 0.008              # Adam learning rate, times the *_lr_mult below per parameter kind
+    adam_beta1: float = 0.8             # Adam first-moment decay
+    adam_beta2: float = 0.95            # Adam second-moment decay
+    adam_eps: float = 1e-10             # Adam epsilon
     embed_lr_mult: float = 75.0         # embeddings train at adam_lr * 75
-    head_lr_mult: float = 1.0
-    scalar_lr_mult: float = 5.0
+    head_lr_mult: float = 1.0           # lm_head trains at adam_lr * this
+    scalar_lr_mult: float = 5.0         # scalar parameters train at adam_lr * this
     adam_shard_min_numel: int = 65536   # Adam parameters at least this big are row-sharded; smaller ones all-reduced
-    muon_lr: float = 0.05
-    muon_momentum_start: float = 0.85
-    muon_momentum_end: float = 0.95
-    muon_momentum_warmup_steps: int = 300
+    muon_lr: float = 0.05               # Muon learning rate of the block matrices
+    muon_momentum_start: float = 0.85   # Muon momentum at step 0 ...
+    muon_momentum_end: float = 0.95     # ... rising linearly to this
+    muon_momentum_warmup_steps: int = 300  # ... over this many steps
     muon_bucket_matrices: int = 8       # matrices per gradient reduce-scatter (rounded up to a multiple of world size)
     ns_method: str = "newton_schulz"    # newton_schulz (the record's), polar_express or aol (Turbo-Muon)
     ns_backend: str = "auto"            # triton on CUDA, torch elsewhere; or force one
     normuon: bool = False               # NorMuon variance normalization after orthogonalization
-    normuon_beta2: float = 0.95
+    normuon_beta2: float = 0.95         # NorMuon second-moment decay
     weight_decay: float = 0.0           # Muon weight decay (decoupled, scaled by lr)
     cautious_wd: bool = False           # decay only entries where update and parameter agree in sign
     overlap_comms: bool = True          # launch gradient reduce-scatters from backward hooks
     # loop
     val_every: int = 125                # validate every N steps (0: only at the end)
     warmup_steps: int = 10              # untimed compile/kernel warmup steps, then state reset
+    check_every: int = 10               # steps between checks for a non-finite loss or a stop signal (one host-GPU sync)
     device: str = "auto"                # auto, cuda or cpu
     threads: int = 0                    # CPU threads per process (0: cores / local processes)
     dist_timeout_s: int = 900           # a dead rank raises after this long instead of hanging
@@ -128,8 +136,8 @@ class Hyperparameters:
     checkpoint_every: int = 0           # ... and every N steps (0: only at the end)
     resume: str = ""                    # continue the run saved in this checkpoint
     sample: str = ""                    # print a continuation of --prompt from this checkpoint, then exit
-    prompt: str = ""
-    max_new_tokens: int = 200
+    prompt: str = ""                    # the text --sample continues
+    max_new_tokens: int = 200           # tokens --sample writes at most
     temperature: float = 0.8            # 0: always the most likely token
     top_k: int = 50                     # sample among the k most likely tokens (0: among all)
 
@@ -156,6 +164,7 @@ PRESETS = {
         compile=False,
         num_iterations=120,
         val_every=40,
+        check_every=1,                  # a host sync costs nothing on CPU, and steps are long
         warmup_steps=2,
         muon_momentum_warmup_steps=50,
         dist_timeout_s=120,
@@ -169,6 +178,9 @@ REPO_DIR = os.path.dirname(os.path.abspath(__file__))
 
 NS_METHODS = ("newton_schulz", "polar_express", "aol")
 NS_BACKENDS = ("torch", "triton")
+# Fields that take one of a fixed set of values (booleans aside); check_config and --help read this.
+CHOICES = dict(preset=tuple(PRESETS), ns_method=NS_METHODS, ns_backend=("auto",) + NS_BACKENDS,
+               device=("auto", "cpu", "cuda"))
 
 
 class ConfigError(ValueError):
@@ -200,10 +212,12 @@ def parse_config(argv, environ, world_size=1, cuda_available=None):
     kinds = {f.name: f.type for f in dataclasses.fields(Hyperparameters)}
 
     cli = {}
+    help_requested = False
     it = iter(argv)
     for token in it:
         if token in ("-h", "--help"):
-            raise HelpRequested(config_help())
+            help_requested = True
+            continue
         if not token.startswith("--"):
             raise ConfigError(f"unexpected argument {token!r}: options look like --field value")
         name, sep, value = token[2:].partition("=")
@@ -228,15 +242,39 @@ def parse_config(argv, environ, world_size=1, cuda_available=None):
         elif name.upper() in environ:
             values[name] = _parse_value(name, environ[name.upper()], kind)
     args = Hyperparameters(**values)
+    if help_requested:  # after the overrides, so the help shows the values this run would use
+        raise HelpRequested(config_help(args))
     check_config(args, world_size, cuda_available)
     return args
 
 
-def config_help():
-    lines = ["usage: train_gpt.py [--field value ...]   (or FIELD=value in the environment)", "fields:"]
-    for f in dataclasses.fields(Hyperparameters):
-        lines.append(f"  --{f.name} ({f.type.__name__}, speedrun default {f.default!r})")
-    lines.append("presets: " + ", ".join(PRESETS))
+def field_descriptions():
+    """Each field's trailing comment in the Hyperparameters source: the one place it is written."""
+    source = inspect.getsource(Hyperparameters)
+    comments = {token.start[0]: token.string.lstrip("#").strip()
+                for token in tokenize.generate_tokens(io.StringIO(source).readline) if token.type == tokenize.COMMENT}
+    descriptions = {}
+    for number, line in enumerate(source.splitlines(), start=1):
+        match = re.match(r"\s+(\w+):", line)
+        if match and number in comments:
+            descriptions[match.group(1)] = comments[number]
+    return descriptions
+
+
+def config_help(args):
+    descriptions = field_descriptions()
+    lines = ["usage: train_gpt.py [--field value ...]   (or FIELD=value in the environment)",
+             f"Values are those of the {args.preset} preset with this environment and command line; "
+             f"presets: {', '.join(PRESETS)} (--preset, default {'speedrun' if torch.cuda.is_available() else 'cpu'} "
+             "on this machine).", ""]
+    settings = [(f"--{f.name}={getattr(args, f.name)}", f) for f in dataclasses.fields(Hyperparameters)]
+    width = max(len(setting) for setting, _ in settings) + 2
+    for setting, f in settings:
+        text = descriptions.get(f.name, "")
+        choices = CHOICES.get(f.name) or (("true", "false") if f.type is bool else None)
+        if choices:
+            text += f" [{'|'.join(choices)}]"
+        lines.append(f"  {setting.ljust(width)}{f.type.__name__:6} {text}".rstrip())
     return "\n".join(lines)
 
 
@@ -245,13 +283,30 @@ def _layer_list(text):
 
 
 def check_log_dir(args):
-    """The run's log folder must be creatable and writable (checked before any work starts)."""
-    folder = args.log_dir
-    while folder and not os.path.exists(folder):  # the nearest existing ancestor decides
-        folder = os.path.dirname(folder)
-    folder = folder or "."
-    if not os.path.isdir(folder) or not os.access(folder, os.W_OK | os.X_OK):
-        raise ConfigError(f"--log_dir={args.log_dir!r}: {folder!r} is not a writable directory")
+    """The run's log folder must be creatable and writable: checked by creating it and writing a
+    probe file there (permission bits alone would pass /proc for root), then removing both again."""
+    folder = os.path.join(args.log_dir, f"{datetime.date.today().isoformat()}_{args.run_name}")
+    created = []
+    probe = os.path.join(folder, f".probe-{uuid.uuid4()}")
+    try:
+        missing = folder
+        while missing and not os.path.isdir(missing):
+            created.append(missing)
+            missing = os.path.dirname(missing)
+        os.makedirs(folder, exist_ok=True)
+        with open(probe, "x") as f:
+            f.write("probe\n")
+    except OSError as e:
+        raise ConfigError(f"--log_dir={args.log_dir!r}: cannot write a file in {folder!r} "
+                          f"({e.strerror or e})") from None
+    finally:
+        if os.path.exists(probe):
+            os.remove(probe)
+        for path in created:  # deepest first; a run that fails before logging leaves nothing behind
+            try:
+                os.rmdir(path)
+            except OSError:
+                pass
 
 
 def check_config(args, world_size, cuda_available):
@@ -260,9 +315,12 @@ def check_config(args, world_size, cuda_available):
         if not ok:
             raise ConfigError(message)
 
+    for f in dataclasses.fields(args):  # inf and nan would pass the range checks below, or fail them obscurely
+        if f.type is float:
+            need(math.isfinite(getattr(args, f.name)), f"--{f.name}={getattr(args, f.name)}: must be a finite number")
     positive = ["val_tokens", "train_seq_len", "val_seq_len", "micro_batches", "vocab_size", "num_layers",
                 "model_dim", "num_heads", "head_dim", "mlp_ratio", "attn_block_size", "num_iterations",
-                "window_growth_tokens", "muon_bucket_matrices", "dist_timeout_s"]
+                "window_growth_tokens", "muon_bucket_matrices", "dist_timeout_s", "check_every"]
     for name in positive:
         need(getattr(args, name) > 0, f"--{name}={getattr(args, name)}: must be positive")
     for name in ["val_every", "warmup_steps", "threads", "num_value_embeds", "muon_momentum_warmup_steps",
@@ -314,10 +372,8 @@ def check_config(args, world_size, cuda_available):
     need(not value_embed_layers & set(free),
          f"--attention_free_layers={args.attention_free_layers!r}: blocks {sorted(value_embed_layers & set(free))} "
          f"take value embeddings (num_value_embeds={n_ve}) and need attention")
-    need(args.ns_method in NS_METHODS, f"--ns_method={args.ns_method!r}: expected one of {', '.join(NS_METHODS)}")
-    need(args.ns_backend in ("auto",) + NS_BACKENDS,
-         f"--ns_backend={args.ns_backend!r}: expected auto, {', '.join(NS_BACKENDS)}")
-    need(args.device in ("auto", "cpu", "cuda"), f"--device={args.device!r}: expected auto, cpu or cuda")
+    for name, allowed in CHOICES.items():
+        need(getattr(args, name) in allowed, f"--{name}={getattr(args, name)!r}: expected one of {', '.join(allowed)}")
     need(args.device != "cuda" or cuda_available, "--device=cuda: no CUDA device is available")
     uses_cuda = args.device == "cuda" or (args.device == "auto" and cuda_available)
     need(args.ns_backend != "triton" or triton is not None, "--ns_backend=triton: triton is not installed")
@@ -1866,6 +1922,11 @@ def long_window_blocks_at(step, args):
 # next shard is read by a background thread.
 
 SHARD_MAGIC, SHARD_VERSION, SHARD_HEADER_INTS = 20240520, 1, 256
+SHARD_HEADER_BYTES = SHARD_HEADER_INTS * 4
+# Shards hold GPT-2 tokens: ids 0..50256. The model's vocab_size only pads this for speed, so an
+# id in the padding (50257..50303) is a corrupt shard, not a token to train on. data/shards.py
+# reads shards with the functions below, so every tool applies this one rule with these messages.
+GPT2_VOCAB_SIZE = 50257
 
 
 class DataError(ValueError):
@@ -1879,33 +1940,50 @@ class DataExhausted(RuntimeError):
 def read_shard_header(path):
     """Validate the header and size of a shard; return its token count."""
     try:
-        size = os.path.getsize(path)
         with open(path, "rb") as f:
-            header = np.frombuffer(f.read(SHARD_HEADER_INTS * 4), dtype="<i4")
+            raw = f.read(SHARD_HEADER_BYTES)
+            size = os.fstat(f.fileno()).st_size
     except OSError as e:
-        raise DataError(f"{path}: cannot read ({e.strerror})") from None
-    if header.size < SHARD_HEADER_INTS:
-        raise DataError(f"{path}: too short for a shard header ({size} bytes)")
-    if header[0] != SHARD_MAGIC:
-        raise DataError(f"{path}: bad magic {header[0]} (expected {SHARD_MAGIC})")
-    if header[1] != SHARD_VERSION:
-        raise DataError(f"{path}: unsupported version {header[1]} (expected {SHARD_VERSION})")
-    count = int(header[2])
-    expected = SHARD_HEADER_INTS * 4 + 2 * count
-    if size != expected:
-        raise DataError(f"{path}: header says {count} tokens ({expected} bytes) but the file has {size} bytes")
+        raise DataError(f"{path}: cannot read ({e.strerror or e})") from None
+    if len(raw) < SHARD_HEADER_BYTES:
+        raise DataError(f"{path}: too short for a shard header ({len(raw)} bytes, need {SHARD_HEADER_BYTES})")
+    magic, version, count = (int(x) for x in np.frombuffer(raw, dtype="<i4")[:3])
+    if magic != SHARD_MAGIC:
+        raise DataError(f"{path}: bad magic {magic} (expected {SHARD_MAGIC})")
+    if version != SHARD_VERSION:
+        raise DataError(f"{path}: unsupported version {version} (expected {SHARD_VERSION})")
+    if count < 0:
+        raise DataError(f"{path}: negative token count {count} in header")
+    expected = SHARD_HEADER_BYTES + 2 * count
+    if size < expected:
+        raise DataError(f"{path}: truncated: header says {count} tokens ({expected} bytes) but the file has {size} bytes")
+    if size > expected:
+        raise DataError(f"{path}: {size - expected} trailing bytes: header says {count} tokens ({expected} bytes) "
+                        f"but the file has {size} bytes")
     return count
 
 
-def load_shard(path, vocab_size, max_tokens=None, pin_memory=False):
-    """The shard's tokens (its first max_tokens, if given) as a uint16 tensor, checked against the
-    vocabulary. Pinned memory lets batches go to the GPU without stalling the host."""
+def read_shard_tokens(path, vocab_size=GPT2_VOCAB_SIZE, max_tokens=None):
+    """The shard's tokens (its first max_tokens, if given) as a uint16 array, every one checked to
+    be below vocab_size."""
     count = read_shard_header(path)
     if max_tokens is not None:
         count = min(count, max_tokens)
-    tokens = np.fromfile(path, dtype="<u2", count=count, offset=SHARD_HEADER_INTS * 4)
+    try:
+        tokens = np.fromfile(path, dtype="<u2", count=count, offset=SHARD_HEADER_BYTES)
+    except OSError as e:
+        raise DataError(f"{path}: cannot read ({e.strerror or e})") from None
+    if tokens.size != count:  # the file shrank while we were reading it
+        raise DataError(f"{path}: truncated: read {tokens.size} of {count} tokens")
     _check_token_range(path, tokens, vocab_size)
-    out = torch.empty(count, dtype=torch.uint16, pin_memory=pin_memory)
+    return tokens
+
+
+def load_shard(path, vocab_size, max_tokens=None, pin_memory=False):
+    """The shard's tokens as a uint16 tensor; they must be GPT-2 tokens, which the model's padded
+    vocab_size covers. Pinned memory lets batches go to the GPU without stalling the host."""
+    tokens = read_shard_tokens(path, min(vocab_size, GPT2_VOCAB_SIZE), max_tokens)
+    out = torch.empty(tokens.size, dtype=torch.uint16, pin_memory=pin_memory)
     out.copy_(torch.from_numpy(tokens))
     return out
 
@@ -1913,17 +1991,19 @@ def load_shard(path, vocab_size, max_tokens=None, pin_memory=False):
 def _check_token_range(path, tokens, vocab_size, offset=0):
     if tokens.size and int(tokens.max()) >= vocab_size:
         bad = int(np.argmax(tokens >= vocab_size))
-        raise DataError(f"{path}: token {int(tokens[bad])} at position {offset + bad} is >= vocab_size {vocab_size}")
+        raise DataError(f"{path}: token {int(tokens[bad])} at index {offset + bad} is >= vocab size {vocab_size}")
 
 
 def check_shard_tokens(paths, vocab_size, chunk=1 << 24):
-    """Every token of every shard below the vocabulary size: checked before training starts, so a
-    bad shard late in the list cannot end a run hours in. Reads in chunks, keeps nothing."""
+    """Every token of every shard a GPT-2 token (see load_shard): checked before training starts,
+    so a bad shard late in the list cannot end a run hours in. Reads in chunks, keeps nothing."""
     for path in paths:
         count = read_shard_header(path)
-        tokens = np.memmap(path, dtype="<u2", mode="r", offset=SHARD_HEADER_INTS * 4, shape=(count,))
+        if count == 0:
+            continue
+        tokens = np.memmap(path, dtype="<u2", mode="r", offset=SHARD_HEADER_BYTES, shape=(count,))
         for start in range(0, count, chunk):
-            _check_token_range(path, tokens[start:start + chunk], vocab_size, start)
+            _check_token_range(path, tokens[start:start + chunk], min(vocab_size, GPT2_VOCAB_SIZE), start)
 
 
 def find_shards(pattern, what):
@@ -2092,30 +2172,45 @@ def data_shortfall(files, args):
 # exercise every kernel on random tokens (untimed); then model and optimizer are reset to their
 # initial state, so warmup cannot help the run. The clock runs during training steps, including
 # building the loader from the first shard; it stops for validation. Everything printed goes to
-# the console and to the run's log, in the public speedrun's line formats.
+# the console and to the run's log, in the public speedrun's line formats. A run that goes wrong
+# (a non-finite loss, SIGINT/SIGTERM, a log write that fails) stops at the next check, made every
+# check_every steps by all ranks together, and ends in one line; main() maps it to an exit code.
 
 class RunLog:
     """records/<YYYY-MM-DD>_<run_name>/<run_id>.txt, written by rank 0 only, never overwritten.
-    The file appears with the first line written, so a run that fails during set-up leaves none."""
+    The file appears with the first line written (the header, after the data checks), so a run
+    that fails during set-up leaves none. A failed write (a full disk) is not raised here: it is
+    kept in `error`, later lines go to the console only, and the training loop ends the run at its
+    next check, on every rank; what the file already holds stays as it is."""
 
     def __init__(self, args, ranks, echo=True):
         self.echo = echo and ranks.is_master
         self.path = None
+        self.error = None
         if ranks.is_master:
             folder = os.path.join(args.log_dir, f"{datetime.date.today().isoformat()}_{args.run_name}")
             self.path = os.path.join(folder, f"{uuid.uuid4()}.txt")
-        self._created = False
+        self.started = False
 
     def __call__(self, text, console=True):
         if self.path is None:
             return
+        if not self.started and self.echo:
+            print(f"logging to {self.path}", flush=True)
         if console and self.echo:
             print(text, flush=True)
-        if not self._created:
+        if self.error is None:
+            try:
+                self._append(text)
+            except OSError as e:
+                self.error = f"cannot write the log {self.path} ({e.strerror or e})"
+        self.started = True
+
+    def _append(self, text):
+        if not self.started:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
             with open(self.path, "x"):  # 'x': fail rather than overwrite an existing log
                 pass
-            self._created = True
         with open(self.path, "a") as f:
             f.write(text + "\n")
 
@@ -2135,7 +2230,13 @@ def hardware_description(hw):
     return f"CPU: {model} x{os.cpu_count()}"
 
 
-def log_header(log, args, ranks, hw, model, optimizer, data_note):
+def shown_paths(paths):
+    """Comma-separated, relative to the repository where they lie inside it."""
+    return ",".join(os.path.relpath(p, REPO_DIR) if os.path.abspath(p).startswith(REPO_DIR + os.sep) else p
+                    for p in paths)
+
+
+def log_header(log, args, ranks, hw, model, optimizer, data_note, data_files=None):
     log(open(__file__).read(), console=False)
     log("=" * 100, console=False)
     log(f"Running Python {sys.version}", console=False)
@@ -2143,8 +2244,10 @@ def log_header(log, args, ranks, hw, model, optimizer, data_note):
     log(f"Running PyTorch {torch.__version__} {cuda}", console=False)
     log(f"Running Triton version {triton.__version__ if triton else 'not installed'}", console=False)
     log(hardware_description(hw), console=False)
+    # train_files/val_files name the shards actually read (the cpu preset may fall back to the sample)
+    shown = dict(zip(("train_files", "val_files"), map(shown_paths, data_files))) if data_files else {}
     for f in dataclasses.fields(args):
-        log(f"{f.name}={getattr(args, f.name)}", console=False)
+        log(f"{f.name}={shown.get(f.name, getattr(args, f.name))}", console=False)
     # What this machine made of the configuration, in the same key=value form.
     effective = dict(world_size=ranks.world_size, effective_device=hw.device.type,
                      effective_compute_dtype=str(hw.compute_dtype).removeprefix("torch."),
@@ -2169,6 +2272,45 @@ class TrainResult:
     train_time_ms: float = 0.0
     stopped_early: str | None = None
     checkpoint_error: str | None = None                 # the last checkpoint write failed (one line)
+    failure: str | None = None   # the line that ended the run: divergence, a signal, a failed log write
+    exit_code: int = 0
+
+
+# Exit codes of main(); an interrupted run exits with 128 + the signal's number (130 SIGINT, 143 SIGTERM).
+EXIT_ERROR, EXIT_CONFIG, EXIT_DATA_RAN_OUT, EXIT_DIVERGED = 1, 2, 3, 4
+
+
+class Interrupted(Exception):
+    """SIGINT or SIGTERM arrived outside the training loop (set-up, compilation, warmup)."""
+
+
+class StopSignals:
+    """SIGINT and SIGTERM, once main() installs this. Inside the training loop a signal is only
+    recorded: the loop stops at its next check, which every rank reaches at the same step, so all
+    of them leave the process group together. Elsewhere it raises Interrupted at once. Under
+    torchrun a rank gets Ctrl-C twice (from the terminal, then forwarded), so repeats are ignored."""
+
+    def __init__(self):
+        self.signum = None
+        self.deferred = False
+        self._previous = {}
+
+    def install(self):
+        if threading.current_thread() is not threading.main_thread():
+            return  # Python delivers signals to the main thread only; elsewhere the caller's handling stays
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            self._previous[signum] = signal.signal(signum, self._on_signal)
+
+    def uninstall(self):  # main() called in-process (tests) must leave the caller's handlers as they were
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def _on_signal(self, signum, frame):
+        if self.signum is not None:
+            return
+        self.signum = signum
+        if not self.deferred:
+            raise Interrupted()
 
 
 def peak_memory_line(hw):
@@ -2179,14 +2321,21 @@ def peak_memory_line(hw):
     return f"peak memory allocated: {peak_rss} MiB reserved: {peak_rss} MiB"
 
 
+def log_error(log):
+    """The log's failed write, if any (tests log to plain functions, which never fail)."""
+    return getattr(log, "error", None)
+
+
 def synchronize(hw):
     if hw.device.type == "cuda":
         torch.cuda.synchronize(hw.device)
 
 
-def train(args, ranks, hw, log, collectives=None, on_step=None):
+def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
     """Build everything and run the timed training loop; returns the losses seen.
-    on_step(step, model, optimizer), if given, runs after each optimizer step (tests use it)."""
+    on_step(step, model, optimizer), if given, runs after each optimizer step (tests use it).
+    stop: the StopSignals main() installed (None: signals are not watched)."""
+    stop = stop or StopSignals()
     torch.manual_seed(args.seed)
     checkpoint = read_checkpoint(args.resume, "resume", args) if args.resume else None
     checkpoint_path = checkpoint_path_of(log) if args.save_checkpoint else None
@@ -2207,7 +2356,7 @@ def train(args, ranks, hw, log, collectives=None, on_step=None):
     optimizer = ShardedMuonAdam(specs, args, ranks, hw, collectives)
     if args.compile:
         model.compile_regions()
-    log_header(log, args, ranks, hw, model, optimizer, data_note)
+    log_header(log, args, ranks, hw, model, optimizer, data_note, (train_files, val_files))
     shortfall = data_shortfall(train_files, args)
     if shortfall:
         log(shortfall)
@@ -2265,16 +2414,47 @@ def train(args, ranks, hw, log, collectives=None, on_step=None):
         log("Resetting Model")
 
     result = TrainResult()
+    N = args.num_iterations
     step_losses = []
+    checked = 0  # step_losses[:checked] are known to be finite
+
+    def check(step):
+        """Why the run must stop now, as (line, exit code), or None: the same answer on every rank.
+        Reads the losses since the last check in one transfer (the only host-GPU sync it costs)."""
+        nonlocal checked
+        recent = step_losses[checked:]
+        flags = [stop.signum == signal.SIGINT, stop.signum == signal.SIGTERM, log_error(log) is not None]
+        values = torch.cat([torch.stack(recent).float() if recent else torch.zeros(0, device=hw.device),
+                            torch.tensor(flags, dtype=torch.float32, device=hw.device)])
+        if ranks.world_size > 1:
+            dist.all_reduce(values)  # a sum: nan or inf on any rank stays non-finite
+        *losses, sigint, sigterm, log_failed = values.tolist()
+        if sigint or sigterm:
+            signum = signal.SIGINT if sigint else signal.SIGTERM
+            return f"interrupted at step {step}/{N} ({signal.Signals(signum).name})", 128 + signum
+        bad = [i for i, loss in enumerate(losses) if not math.isfinite(loss)]
+        if bad:
+            return (f"diverged at step {checked + bad[0] + 1}/{N}: train loss is {losses[bad[0]]} "
+                    f"(stopped at step {step})", EXIT_DIVERGED)
+        if log_failed:
+            return f"{log_error(log) or 'rank 0 cannot write the log'} at step {step}/{N}", EXIT_ERROR
+        checked = len(step_losses)
+        return None
+
     training_time_ms = 0.0
     step = 0
     if checkpoint is not None:
         step, training_time_ms = restore_checkpoint(checkpoint, args.resume, model, optimizer, ranks, hw, log)
     synchronize(hw)
     t0 = time.perf_counter()
-    N = args.num_iterations
+    stop.deferred = True  # from here on a signal ends the run at the next check, on every rank
     while True:
         last_step = step == N or result.stopped_early is not None
+        if last_step or step % args.check_every == 0 or (ranks.world_size == 1 and stop.signum):
+            ending = check(step)
+            if ending:
+                result.failure, result.exit_code = ending
+                break
         if last_step or (args.val_every > 0 and step % args.val_every == 0):
             synchronize(hw)
             training_time_ms += 1000 * (time.perf_counter() - t0)
@@ -2282,6 +2462,9 @@ def train(args, ranks, hw, log, collectives=None, on_step=None):
             result.val_losses.append((step, val_loss))
             log(f"step:{step}/{N} val_loss:{val_loss:.4f} train_time:{training_time_ms:.0f}ms "
                 f"step_avg:{training_time_ms / max(step, 1):.2f}ms")
+            if not math.isfinite(val_loss):  # the same value on every rank
+                result.failure, result.exit_code = f"diverged at step {step}/{N}: val_loss is {val_loss}", EXIT_DIVERGED
+                break
             synchronize(hw)
             t0 = time.perf_counter()
         if last_step:
@@ -2308,7 +2491,9 @@ def train(args, ranks, hw, log, collectives=None, on_step=None):
             t0 = time.perf_counter()
         if on_step is not None:
             on_step(step, model, optimizer)
-    if args.save_checkpoint:  # the clock stopped at the final validation
+    if result.failure and result.exit_code != EXIT_ERROR:  # a failed log write is reported by main()
+        log(result.failure)
+    if args.save_checkpoint and result.failure is None:  # the clock stopped at the final validation
         result.checkpoint_error = save_checkpoint(checkpoint_path, step, training_time_ms, args, ranks, model,
                                                   optimizer, batches, result, log)
     log(peak_memory_line(hw))
@@ -2339,7 +2524,7 @@ CHECKPOINT_FORMAT = 1
 # Fields that choose where, how fast or with what logging training runs, not what it computes (device and
 # ns_backend change rounding only): a run may resume with other values of these.
 RESUME_FREE_FIELDS = {"run_name", "log_dir", "target_val_loss", "val_every", "warmup_steps", "device", "threads",
-                      "compile", "overlap_comms", "ns_backend", "dist_timeout_s", "save_checkpoint",
+                      "compile", "overlap_comms", "ns_backend", "dist_timeout_s", "check_every", "save_checkpoint",
                       "checkpoint_every", "resume", "sample", "prompt", "max_new_tokens", "temperature", "top_k"}
 # tiktoken's sha256 of GPT-2's BPE files (vocab.bpe, encoder.json), as in data/fineweb.py.
 GPT2_BPE_SHA256 = ("1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
@@ -2550,35 +2735,48 @@ def main(argv=None, environ=None):
         args = parse_config(argv, environ, ranks.world_size)
         if args.sample:
             return sample_main(args)
-        check_log_dir(args)
+        if ranks.is_master:  # the only rank that writes there
+            check_log_dir(args)
         if args.resume:  # a checkpoint of another configuration is refused before anything starts
             read_checkpoint(args.resume, "resume", args)
         hw = Hardware.detect(args, ranks)
     except ConfigError as e:
         print(f"train_gpt.py: error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
     except HelpRequested as e:
         print(e)
         return 0
     if hw.device.type == "cpu":
         torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // ranks.local_world_size))
         keep_freed_memory_on_cpu()
+    log = RunLog(args, ranks)
+    stop = StopSignals()
+    stop.install()
     try:
         init_process_group(args, ranks, hw)
-        log = RunLog(args, ranks)
-        if ranks.is_master:
-            print(f"logging to {log.path}", flush=True)
-        result = train(args, ranks, hw, log)
+        result = train(args, ranks, hw, log, stop=stop)
     except (DataError, RankMismatch, CheckpointError) as e:
         print(f"train_gpt.py: error: {e}", file=sys.stderr)
-        return 1
+        return EXIT_ERROR
+    except Interrupted:  # before the training loop: nothing trained yet
+        report = log if log.started else functools.partial(print, flush=True)
+        report(f"interrupted at step 0/{args.num_iterations} ({signal.Signals(stop.signum).name})")
+        report(peak_memory_line(hw))
+        return 128 + stop.signum
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        stop.uninstall()
+    if result.exit_code == EXIT_ERROR or (log.error and not result.exit_code):  # a write may fail after the last check
+        line = result.failure or f"{log.error} at step {result.steps_done}/{args.num_iterations}"
+        print(f"train_gpt.py: error: {line}; the lines written before are kept", file=sys.stderr)
+        return EXIT_ERROR
+    if result.exit_code:
+        return result.exit_code
     if result.checkpoint_error:
         print(f"train_gpt.py: error: {result.checkpoint_error}", file=sys.stderr)
-        return 1
-    return 3 if result.stopped_early else 0
+        return EXIT_ERROR
+    return EXIT_DATA_RAN_OUT if result.stopped_early else 0
 
 
 if __name__ == "__main__":

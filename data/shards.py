@@ -1,4 +1,4 @@
-"""The one reader and writer of the token shard format used by this repository.
+"""The token shard format used by this repository: train_gpt.py's reader and the writer.
 
 A shard is a 256-entry little-endian int32 header followed by the tokens as
 little-endian uint16:
@@ -9,27 +9,40 @@ little-endian uint16:
     header[3:] = 0
 
 This is the format of the public pre-tokenized FineWeb shards
-(`kjj0/fineweb10B-gpt2`) and of the embedded sample in data/sample/, so the
-trainer, the builders and the downloader all go through this module and a
-damaged file is reported the same way everywhere: a ShardError whose message
-is one line naming the file and the problem.
+(`kjj0/fineweb10B-gpt2`) and of the embedded sample in data/sample/. The
+trainer, the builders and the downloader all read shards with the functions of
+train_gpt.py, so a damaged file is reported the same way everywhere: a
+ShardError (train_gpt.DataError) whose message is one line naming the file and
+the problem. Tokens must be GPT-2 ids (< 50257) everywhere.
 """
 
 import os
 import secrets
+import sys
 
 import numpy as np
 
-MAGIC = 20240520
-VERSION = 1
-HEADER_INTS = 256
-HEADER_BYTES = HEADER_INTS * 4
-BOS = 50256  # GPT-2 <|endoftext|>; every document starts with it
-GPT2_VOCAB_SIZE = 50257
+# The format and its reader live in train_gpt.py, which must stay one self-contained file (it cannot
+# import data/); this module re-exports them and adds the writer, so the trainer and every data
+# tool accept and reject exactly the same files with the same messages. The price: importing this
+# module imports torch (train_gpt's), about a second.
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _REPO not in sys.path:
+    sys.path.append(_REPO)
+import train_gpt  # noqa: E402
+
+MAGIC = train_gpt.SHARD_MAGIC
+VERSION = train_gpt.SHARD_VERSION
+HEADER_INTS = train_gpt.SHARD_HEADER_INTS
+HEADER_BYTES = train_gpt.SHARD_HEADER_BYTES
+BOS = train_gpt.BOS_TOKEN  # GPT-2 <|endoftext|>; every document starts with it
+GPT2_VOCAB_SIZE = train_gpt.GPT2_VOCAB_SIZE  # tokens must be below this (train_gpt.load_shard's rule)
 MAX_TOKENS = 2**31 - 1  # the count is stored in an int32
 
 _HEADER_DTYPE = np.dtype("<i4")
 _TOKEN_DTYPE = np.dtype("<u2")
+
+ShardError = train_gpt.DataError  # a malformed shard, or tokens that cannot be stored as one
 
 
 def shard_name(prefix, index):
@@ -37,10 +50,6 @@ def shard_name(prefix, index):
     (fineweb_val_000000.bin, fineweb_train_000001.bin, ...)."""
     split = "val" if index == 0 else "train"
     return f"{prefix}_{split}_{index:06d}.bin"
-
-
-class ShardError(ValueError):
-    """A shard file is malformed, or tokens cannot be stored as a shard."""
 
 
 def shard_nbytes(num_tokens):
@@ -90,41 +99,9 @@ def write_shard(path, tokens):
         raise
 
 
-def _check_header(path, header, file_size):
-    """Validate a header against the file size; return the token count."""
-    magic, version, count = (int(x) for x in header[:3])
-    if magic != MAGIC:
-        raise ShardError(f"{path}: bad magic {magic} (expected {MAGIC})")
-    if version != VERSION:
-        raise ShardError(f"{path}: unsupported version {version} (expected {VERSION})")
-    if count < 0:
-        raise ShardError(f"{path}: negative token count {count} in header")
-    expected = shard_nbytes(count)
-    if file_size < expected:
-        raise ShardError(
-            f"{path}: truncated: header says {count} tokens ({expected} bytes) but the file has {file_size} bytes"
-        )
-    if file_size > expected:
-        raise ShardError(
-            f"{path}: {file_size - expected} trailing bytes: header says {count} tokens ({expected} bytes) "
-            f"but the file has {file_size} bytes"
-        )
-    return count
-
-
-def _read_header_array(path, f):
-    raw = f.read(HEADER_BYTES)
-    if len(raw) < HEADER_BYTES:
-        raise ShardError(f"{path}: too short for a shard header ({len(raw)} bytes, need {HEADER_BYTES})")
-    return np.frombuffer(raw, dtype=_HEADER_DTYPE)
-
-
 def read_header(path):
     """Return the token count of the shard at path after checking its header and size."""
-    path = os.fspath(path)
-    with open(path, "rb") as f:
-        header = _read_header_array(path, f)
-        return _check_header(path, header, os.fstat(f.fileno()).st_size)
+    return train_gpt.read_shard_header(os.fspath(path))
 
 
 def read_shard(path, vocab_size=GPT2_VOCAB_SIZE):
@@ -132,15 +109,4 @@ def read_shard(path, vocab_size=GPT2_VOCAB_SIZE):
 
     Besides the header checks of read_header, every token must be < vocab_size.
     """
-    path = os.fspath(path)
-    with open(path, "rb") as f:
-        header = _read_header_array(path, f)
-        count = _check_header(path, header, os.fstat(f.fileno()).st_size)
-        tokens = np.fromfile(f, dtype=_TOKEN_DTYPE, count=count)
-    if tokens.size != count:  # the file shrank while we were reading it
-        raise ShardError(f"{path}: truncated: read {tokens.size} of {count} tokens")
-    if count:
-        if int(tokens.max()) >= vocab_size:
-            where = int(np.argmax(tokens >= vocab_size))
-            raise ShardError(f"{path}: token {int(tokens[where])} at index {where} is >= vocab size {vocab_size}")
-    return tokens.astype(np.uint16, copy=False)
+    return train_gpt.read_shard_tokens(os.fspath(path), vocab_size).astype(np.uint16, copy=False)

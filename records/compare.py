@@ -62,6 +62,10 @@ _DRIVER_RE = re.compile(r"Driver Version: (\S+)")
 _SMI_DATE_RE = re.compile(r"^(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun) \w{3} +\d+ \d\d:\d\d:\d\d \d{4}\s*$")
 _CPU_RE = re.compile(r"^CPU: (.+?)\s*$")
 _KEY_VALUE_RE = re.compile(r"^([A-Za-z_][A-Za-z0-9_.]*)=(.*)$")
+# The trainer's last lines when a run ends early (train_gpt.py, main() and the training loop).
+_ENDED_RE = re.compile(r"^(interrupted at step \d+/\d+ \(SIG\w+\)|diverged at step \d+/\d+: .*|stopping early at step \d+/\d+)")
+# Header settings that may differ between runs of one configuration: names, seeds, where files lie.
+IGNORED_CONFIG = frozenset({"run_name", "seed", "log_dir", "train_files", "val_files"})
 
 
 class FolderError(Exception):
@@ -174,7 +178,10 @@ def parse_log_text(text: str, run_id: str = "?", path: Path | None = None) -> Ru
 
     step_totals = Counter()
     val_points = []  # (index in training, step, train_time_ms, val_loss)
+    ended = None  # the trainer's line saying the run was interrupted, diverged or ran out of data
     for index, line in enumerate(training):
+        if m := _ENDED_RE.match(line):
+            ended = ended or m.group(1)
         if m := _STEP_RE.match(line):
             step, total = int(m.group(1)), int(m.group(2))
             step_totals[total] += 1
@@ -195,6 +202,9 @@ def parse_log_text(text: str, run_id: str = "?", path: Path | None = None) -> Ru
     run.val_curve = [(step, ms, loss) for _, step, ms, loss in val_points]
 
     finals = [point for point in val_points if point[1] == run.total_steps]
+    if ended and (not finals or ended.startswith("diverged")):
+        run.problems.append(ended.split(":")[0] if ended.startswith("stopping early") else ended)
+        return run
     if not finals:
         run.problems.append(
             f"unfinished: no validation line at step {run.total_steps}/{run.total_steps}"
@@ -351,7 +361,23 @@ def load_folder(path: str | Path) -> RecordFolder:
     names = {r.run_name for r in folder.usable if r.run_name is not None}
     if len(names) > 1:
         folder.warnings.append(f"{folder.label}: logs state different run_name values: {', '.join(sorted(names))}")
+    if differing := config_differences(folder.usable):
+        folder.warnings.append(f"{folder.label}: the runs differ in configuration: {differing}; kept, "
+                               "but their statistics mix configurations")
     return folder
+
+
+def config_differences(runs: list[RunLog]) -> str:
+    """The header settings (other than names, seeds and paths) whose values differ among runs that
+    state a configuration, e.g. "muon_lr (0.05: 3 runs, 0.04: 1 run)"; "" if none."""
+    configs = [r.config for r in runs if r.config]
+    keys = sorted({key for config in configs for key in config} - IGNORED_CONFIG)
+    parts = []
+    for key in keys:
+        counts = Counter(config.get(key, "(absent)") for config in configs).most_common()
+        if len(counts) > 1:
+            parts.append(f"{key} (" + ", ".join(f"{value}: {n} run{'s' * (n > 1)}" for value, n in counts) + ")")
+    return ", ".join(parts)
 
 
 def resolve_target(cli_target: float | None, folders: list[RecordFolder]) -> tuple[float, str, list[str]]:
@@ -390,6 +416,15 @@ def baseline_warnings(runs: RecordFolder, baseline: RecordFolder) -> list[str]:
             f"software differs between runs ({runs.majority('software')}) and baseline"
             f" ({baseline.majority('software')}); it can change timings by itself"
         )
+    runs_config = _majority_config(runs)
+    baseline_config = _majority_config(baseline)
+    if runs_config and baseline_config:
+        keys = sorted((runs_config.keys() | baseline_config.keys()) - IGNORED_CONFIG)
+        differing = [f"{key} ({runs_config.get(key, '(absent)')} vs {baseline_config.get(key, '(absent)')})"
+                     for key in keys if runs_config.get(key) != baseline_config.get(key)]
+        if differing:
+            found.append(f"configuration differs between runs and baseline: {', '.join(differing)}; "
+                         "make sure that is the change being tested")
     runs_started = sorted(r.started for r in runs.usable if r.started)
     baseline_started = sorted(r.started for r in baseline.usable if r.started)
     if runs_started and baseline_started:
@@ -400,6 +435,13 @@ def baseline_warnings(runs: RecordFolder, baseline: RecordFolder) -> list[str]:
                 " (median nvidia-smi timestamps); run it the same day"
             )
     return found
+
+
+def _majority_config(folder: RecordFolder) -> dict[str, str]:
+    """Each header setting's most common value among the folder's usable runs."""
+    configs = [r.config for r in folder.usable if r.config]
+    keys = {key for config in configs for key in config}
+    return {key: Counter(c.get(key, "(absent)") for c in configs).most_common(1)[0][0] for key in keys}
 
 
 def _p_value(test_name: str, *args, **kwargs) -> float | None:

@@ -6,6 +6,7 @@ record logs in <repo>/../shared/reference_logs, when present, check the whole
 tool on real data; they are copied to a temporary folder first because compare.py
 writes its outputs next to the logs.
 """
+import re
 import shutil
 import subprocess
 import sys
@@ -523,3 +524,75 @@ def test_reference_fp8_pr_against_baseline(reference):
     assert compare.main([str(pr_dir), str(base_dir)]) == 0
     md = (pr_dir / "statistics.md").read_text()
     assert "| runs used | 13 of 13 | 13 of 13 |" in md and "1.0131x" in md
+
+
+# ------------------------------------------------- runs that ended early, mixed configurations
+
+PEAK_LINE = "peak memory allocated: 33278 MiB reserved: 48994 MiB\n"
+
+
+@pytest.mark.parametrize("ending, problem", [
+    ("interrupted at step 19/20 (SIGINT)", "interrupted at step 19/20 (SIGINT)"),
+    ("interrupted at step 10/20 (SIGTERM)", "interrupted at step 10/20 (SIGTERM)"),
+    ("diverged at step 13/20: train loss is nan (stopped at step 19)",
+     "diverged at step 13/20: train loss is nan (stopped at step 19)"),
+    ("stopping early at step 19/20: training data ran out after 7 windows", "stopping early at step 19/20"),
+])
+def test_runs_that_ended_early_are_named_as_such(tmp_path, ending, problem):
+    """The trainer's own last lines (train_gpt.py) say why a run stopped; the exclusion says it too."""
+    text = make_log(finished=False) + ending + "\n" + PEAK_LINE
+    run = compare.parse_log_text(text)
+    assert run.problems == [problem]
+    folder = tmp_path / "runs"
+    [path] = write_logs(folder, [text])
+    write_logs(folder, [make_log(3.2771), make_log(3.2781)])
+    [warning] = compare.load_folder(folder).warnings
+    assert warning.startswith(f"runs/{path.name}: excluded: {problem}")
+
+
+def test_a_diverged_final_validation_is_named(tmp_path):
+    text = make_log().replace("val_loss:3.2790", "val_loss:nan").replace(
+        PEAK_LINE, "diverged at step 20/20: val_loss is nan\n" + PEAK_LINE)
+    assert compare.parse_log_text(text).problems == ["diverged at step 20/20: val_loss is nan"]
+
+
+def with_settings(text: str, **settings) -> str:
+    """A project-format log whose header states extra key=value settings (or other values)."""
+    for key, value in settings.items():
+        if f"\n{key}=" in text:
+            text = re.sub(rf"\n{key}=[^\n]*", f"\n{key}={value}", text)
+        else:
+            text = text.replace("\npreset=speedrun\n", f"\npreset=speedrun\n{key}={value}\n")
+    return text
+
+
+def test_mixed_configurations_in_a_folder_are_warned_about(tmp_path):
+    folder = tmp_path / "runs"
+    write_logs(folder, [with_settings(make_log(3.2771), muon_lr=0.05, seed=0),
+                        with_settings(make_log(3.2781), muon_lr=0.05, seed=1, run_name="other"),
+                        with_settings(make_log(3.2791), muon_lr=0.04, seed=2, log_dir="/elsewhere")])
+    result = compare.load_folder(folder)
+    assert len(result.usable) == 3  # kept: the warning says what differs
+    [warning] = [w for w in result.warnings if "configuration" in w]
+    assert "muon_lr (0.05: 2 runs, 0.04: 1 run)" in warning
+    for ignored in ("seed", "run_name", "log_dir"):
+        assert ignored not in warning.split("configuration:")[1]
+
+
+def test_same_configuration_gives_no_warning(tmp_path):
+    folder = tmp_path / "runs"
+    write_logs(folder, [with_settings(make_log(l), muon_lr=0.05, seed=i, train_files=f"/data{i}/x.bin")
+                        for i, l in enumerate(LOSSES[:3])])
+    assert compare.load_folder(folder).warnings == []
+
+
+def test_configuration_differing_from_the_baseline_is_listed(tmp_path):
+    runs_dir, base_dir = tmp_path / "runs", tmp_path / "base"
+    write_logs(runs_dir, [with_settings(make_log(l, t), muon_lr=0.04, num_layers=11, seed=i)
+                          for i, (l, t) in enumerate(zip(LOSSES, TIMES))])
+    write_logs(base_dir, [with_settings(make_log(l, t, run_name="baseline"), muon_lr=0.05, num_layers=12)
+                          for l, t in zip(BASE_LOSSES, BASE_TIMES)])
+    found = compare.baseline_warnings(compare.load_folder(runs_dir), compare.load_folder(base_dir))
+    [warning] = [w for w in found if "configuration" in w]
+    assert "muon_lr (0.04 vs 0.05), num_layers (11 vs 12)" in warning
+    assert "seed" not in warning and "run_name" not in warning

@@ -63,6 +63,10 @@ BAD = [
     (["--adam_beta1", "1"], {}, 1, "--adam_beta1=1.0: must lie in [0, 1)"),
     (["--attention_free_layers", "0,2", "--num_value_embeds", "1"], {}, 1, "blocks [0] take value embeddings"),
     (["--rotary_base", "0"], {}, 1, "--rotary_base"),
+    (["--muon_lr", "inf"], {}, 1, "--muon_lr=inf: must be a finite number"),
+    ([], {"ADAM_LR": "nan"}, 1, "--adam_lr=nan: must be a finite number"),
+    (["--weight_decay", "-inf"], {}, 1, "--weight_decay=-inf: must be a finite number"),
+    (["--check_every", "0"], {}, 1, "--check_every=0: must be positive"),
 ]
 
 
@@ -93,12 +97,33 @@ def test_script_exit_status_and_single_line(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_help_lists_every_field():
+def help_text(argv, environ=None, cuda=False):
     with pytest.raises(train_gpt.HelpRequested) as help_info:
-        parse(["--help"])
-    text = str(help_info.value)
-    for name in ("num_iterations", "ns_method", "overlap_comms"):
-        assert f"--{name}" in text
+        parse(argv, environ, cuda=cuda)
+    return str(help_info.value).splitlines()
+
+
+def test_help_shows_the_active_values_descriptions_and_choices():
+    lines = help_text(["--help", "--preset", "cpu"], {"SEED": "7"})  # --help may come first
+    fields = {line.split()[0]: line for line in lines if line.startswith("  --")}
+    assert [name.split("=")[0] for name in fields] == [f"--{f.name}" for f in train_gpt.dataclasses.fields(
+        train_gpt.Hyperparameters)]
+    assert "--num_layers=4" in fields and "--seed=7" in fields  # the cpu preset's value, then the environment's
+    # descriptions are the dataclass comments, choices where the set is fixed
+    assert fields["--num_layers=4"].endswith("int    transformer blocks")
+    assert fields["--ns_method=aol"].endswith("[aol|polar_express|newton_schulz]")
+    assert fields["--compile=False"].endswith("torch.compile the blocks and the head [true|false]")
+    assert fields["--preset=cpu"].endswith("[speedrun|cpu]")
+    assert all(len(line.split(None, 2)) == 3 for line in fields.values())  # every field is described
+    speedrun = help_text(["--help"], cuda=True)  # the default preset with CUDA
+    assert any(line.startswith("  --num_layers=12 ") for line in speedrun)
+
+
+def test_script_help_exits_0(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "train_gpt.py"), "--preset", "cpu", "--help"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stderr == ""
+    assert "  --num_iterations=120 " in proc.stdout and list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("environ, needle", [({"RANK": "x"}, "RANK='x'"), ({"WORLD_SIZE": "0"}, "WORLD_SIZE='0'")])
@@ -113,6 +138,6 @@ def test_unwritable_log_dir_is_rejected_before_any_work(tmp_path, capsys):
     blocker.write_text("not a directory")
     assert train_gpt.main([f"--log_dir={blocker / 'records'}"], {}) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--log_dir=" in err[0] and "is not a writable directory" in err[0]
+    assert len(err) == 1 and "--log_dir=" in err[0] and "cannot write a file in" in err[0] and "Not a directory" in err[0]
     # a folder that does not exist yet but can be created is fine
     train_gpt.check_log_dir(train_gpt.Hyperparameters(log_dir=str(tmp_path / "new" / "records")))

@@ -121,11 +121,29 @@ def test_validation_is_shared_by_uneven_ranks(make_shards):
 
 
 def test_trainer_reader_agrees_with_data_writer(tmp_path):
-    tokens = np.array([BOS, 1, 2, 65535 - 1, 50303, 0, BOS, 7], dtype=np.int64)
+    tokens = np.array([BOS, 1, 2, 50256, 0, BOS, 7], dtype=np.int64)
     path = tmp_path / "x.bin"
     write_shard(path, tokens)
     assert train_gpt.read_shard_header(str(path)) == len(tokens)
-    assert train_gpt.load_shard(str(path), vocab_size=65536).tolist() == tokens.tolist()
+    assert train_gpt.load_shard(str(path), vocab_size=50304).tolist() == tokens.tolist()
+
+
+@pytest.mark.parametrize("token", [50257, 50303, 60000])
+def test_trainer_and_data_tools_share_one_token_rule(tmp_path, token):
+    """Ids in the padding of the model's vocabulary are not GPT-2 tokens: the trainer (every entry
+    point) and data/shards.py reject them with the same line."""
+    import shards
+    path = tmp_path / "pad.bin"
+    write_shard(path, [BOS, 5, token, 3])
+    expected = f"{path}: token {token} at index 2 is >= vocab size 50257"
+    for read in (lambda: train_gpt.load_shard(str(path), 50304),
+                 lambda: train_gpt.load_val_tokens([str(path)], 3, 50304),
+                 lambda: train_gpt.check_shard_tokens([str(path)], 50304),
+                 lambda: shards.read_shard(path)):
+        with pytest.raises(train_gpt.DataError) as err:
+            read()
+        assert str(err.value) == expected
+    assert shards.ShardError is train_gpt.DataError
 
 
 def corrupt(path, how):
@@ -156,7 +174,7 @@ def test_bad_shards_fail_with_one_line_naming_the_file(tmp_path, how, needle):
 def test_out_of_range_token_is_reported(tmp_path):
     path = tmp_path / "big.bin"
     write_shard(path, [BOS, 5, 60000, 3])
-    with pytest.raises(train_gpt.DataError, match=r"big.bin: token 60000 at position 2 is >= vocab_size 50304"):
+    with pytest.raises(train_gpt.DataError, match=r"big.bin: token 60000 at index 2 is >= vocab size 50257"):
         train_gpt.load_shard(str(path), 50304)
 
 

@@ -54,6 +54,9 @@ def test_script_writes_a_complete_log(tmp_path, make_shards):
         assert key in header, key
     for f in train_gpt.dataclasses.fields(train_gpt.Hyperparameters):
         assert any(line.startswith(f"{f.name}=") for line in header), f.name
+    # the shards actually read, not the pattern that matched them
+    assert f"train_files={train_glob.replace('*', '000001')}" in header
+    assert f"val_files={val_glob.replace('*', '000000')}" in header
     assert any(line.startswith("optimizer_state_bytes_per_rank=") for line in header)
 
     body = lines[separators[1] + 1:]
@@ -65,6 +68,7 @@ def test_script_writes_a_complete_log(tmp_path, make_shards):
     assert "Resetting Model" in body
     # the console shows the same training lines
     assert "step:4/4 val_loss:" in proc.stdout
+    assert proc.stdout.startswith(f"logging to {log}\n")
 
     import compare
     run = compare.parse_log(log)
@@ -120,6 +124,7 @@ def test_missing_data_fails_before_any_log_is_written(tmp_path):
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines()[-1].startswith("train_gpt.py: error: ")
     assert "no training shards match" in proc.stderr
+    assert "logging to" not in proc.stdout  # it would name a file that never comes to exist
     assert not log_dir.exists() or not any(log_dir.rglob("*.txt"))
 
 
@@ -159,7 +164,7 @@ def test_bad_token_in_a_late_shard_stops_before_training(make_shards):
     with pytest.raises(train_gpt.DataError) as err:
         train_gpt.train(args, train_gpt.Ranks(), train_gpt.Hardware.detect(args), lambda *a, **k: None,
                         on_step=lambda *a: steps.append(a))
-    assert str(err.value) == f"{last}: token 60000 at position 4321 is >= vocab_size 50304"
+    assert str(err.value) == f"{last}: token 60000 at index 4321 is >= vocab size 50257"
     assert steps == []
 
 

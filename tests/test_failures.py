@@ -1,0 +1,189 @@
+"""Runs that go wrong after set-up end in one line, a complete log and a documented exit code:
+divergence, SIGINT/SIGTERM (one process and a torchrun group), a log that cannot be written."""
+
+import errno
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import train_gpt
+from conftest import ROOT, TINY, tiny_argv
+
+PEAK = re.compile(r"^peak memory allocated: \d+ MiB reserved: \d+ MiB$")
+
+
+def only_log(log_dir):
+    logs = list(log_dir.glob("*/*.txt"))
+    assert len(logs) == 1, logs
+    return logs[0].read_text()
+
+
+# ------------------------------------------------------------------------------ divergence
+
+def poisoned_run(make_shards, at_step, **overrides):
+    """In-process training whose weights become nan after step at_step (a stand-in for divergence)."""
+    train_glob, val_glob, _ = make_shards()
+    args = train_gpt.Hyperparameters(**dict(TINY, train_files=train_glob, val_files=val_glob, **overrides))
+    train_gpt.check_config(args, 1, False)
+    lines = []
+
+    def poison(step, model, optimizer):
+        if step == at_step:
+            with torch.no_grad():
+                next(model.parameters()).fill_(float("nan"))
+    result = train_gpt.train(args, train_gpt.Ranks(), train_gpt.Hardware.detect(args),
+                             lambda text, console=True: lines.append(text), on_step=poison)
+    return result, lines
+
+
+def test_nonfinite_train_loss_stops_at_the_next_check_naming_the_step(make_shards):
+    result, lines = poisoned_run(make_shards, at_step=2, num_iterations=12, val_every=0, check_every=4)
+    # step 3 is the first with a nan loss; it is found at the check after step 4, not earlier
+    assert result.failure == "diverged at step 3/12: train loss is nan (stopped at step 4)"
+    assert result.exit_code == train_gpt.EXIT_DIVERGED and result.steps_done == 4
+    assert lines[-2] == result.failure and PEAK.match(lines[-1])
+    assert not any(line.startswith("step:") and "val_loss" in line for line in lines)  # none of a diverged model
+
+
+def test_nonfinite_val_loss_stops_the_run(make_shards):
+    result, lines = poisoned_run(make_shards, at_step=1, num_iterations=12, val_every=2, check_every=100)
+    assert result.failure == "diverged at step 2/12: val_loss is nan"
+    assert result.exit_code == train_gpt.EXIT_DIVERGED and result.steps_done == 2
+    assert lines[-3].startswith("step:2/12 val_loss:nan") and PEAK.match(lines[-1])
+
+
+def test_diverged_run_exits_4_with_one_line_and_a_complete_log(tmp_path, make_shards, monkeypatch, capsys):
+    train_glob, val_glob, _ = make_shards()
+    log_dir = tmp_path / "records"
+    monkeypatch.setattr(train_gpt, "lr_factor_at", lambda step, args: float("nan"))  # nan weights after step 1
+    argv = tiny_argv(train_files=train_glob, val_files=val_glob, log_dir=log_dir, num_iterations=20, val_every=0,
+                     check_every=5)
+    assert train_gpt.main(argv, {}) == train_gpt.EXIT_DIVERGED == 4
+    body = only_log(log_dir).splitlines()
+    assert body[-2] == "diverged at step 2/20: train loss is nan (stopped at step 5)"
+    assert PEAK.match(body[-1])
+    assert capsys.readouterr().out.splitlines()[-2:] == body[-2:]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # main() put pytest's handler back
+
+
+# ------------------------------------------------------------------------------ signals
+
+def start(tmp_path, argv, launcher=()):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        env.pop(name, None)
+    # a session of its own: killpg reaches every process, as Ctrl-C in a terminal does
+    return subprocess.Popen([sys.executable, *launcher, str(ROOT / "train_gpt.py"), *argv], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def wait_for_line(proc, pattern, timeout=120):
+    seen = []
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        seen.append(line.rstrip("\n"))
+        if re.search(pattern, line):
+            return seen
+    proc.kill()
+    pytest.fail(f"never printed {pattern!r}; output: {seen[-20:]} {proc.stderr.read()[-2000:]}")
+
+
+@pytest.mark.parametrize("signum, wait_for, step", [
+    (signal.SIGINT, r"^step:2/1000 train_time", r"\d+"),
+    (signal.SIGTERM, r"^step:2/1000 train_time", r"\d+"),
+    (signal.SIGTERM, r"^Compiling model and warming up kernels", "0"),  # outside the loop: at once
+])
+def test_signal_ends_the_run_with_one_line(tmp_path, make_shards, signum, wait_for, step):
+    train_glob, val_glob, _ = make_shards()
+    log_dir = tmp_path / "records"
+    warmup = 0 if "step" in wait_for else 10_000
+    proc = start(tmp_path, tiny_argv(train_files=train_glob, val_files=val_glob, log_dir=log_dir,
+                                     num_iterations=1000, val_every=0, warmup_steps=warmup))
+    wait_for_line(proc, wait_for)
+    os.killpg(proc.pid, signum)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signum, err[-3000:]
+    assert err == ""  # no traceback
+    name = signal.Signals(signum).name
+    last = out.strip().splitlines()[-2:]
+    assert re.fullmatch(rf"interrupted at step {step}/1000 \({name}\)", last[0]) and PEAK.match(last[1])
+    assert only_log(log_dir).splitlines()[-2:] == last
+
+
+def test_interrupting_a_torchrun_group_stops_every_rank_at_the_same_step(tmp_path, make_shards):
+    train_glob, val_glob, _ = make_shards()
+    log_dir = tmp_path / "records"
+    proc = start(tmp_path, tiny_argv(train_files=train_glob, val_files=val_glob, log_dir=log_dir, micro_batches=2,
+                                     num_iterations=1000, val_every=0, check_every=2, dist_timeout_s=30),
+                 launcher=("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"))
+    wait_for_line(proc, r"^step:2/1000 train_time")
+    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the terminal signals torchrun and both ranks
+    out, err = proc.communicate(timeout=60)
+    # torchrun itself reports the Ctrl-C with a traceback of its own; the ranks print none and none
+    # is left running (torchrun would SIGKILL a rank that ignored the signal for 30 s)
+    assert "train_gpt.py" not in err and "KeyboardInterrupt" not in err and "Signals.SIGKILL" not in err, err[-3000:]
+    with pytest.raises(ProcessLookupError):
+        os.killpg(proc.pid, 0)
+    last = only_log(log_dir).splitlines()[-2:]
+    assert re.fullmatch(r"interrupted at step \d*[02468]/1000 \(SIGINT\)", last[0]) and PEAK.match(last[1])
+    assert "interrupted at step" in out
+
+
+# ------------------------------------------------------------------------------ log directory and disk
+
+def test_log_dir_that_root_cannot_write_is_a_config_error(tmp_path, capsys):
+    """Permission bits do not stop root: the check writes a real file, which /proc refuses to anyone."""
+    if not os.path.isdir("/proc/self"):
+        pytest.skip("needs Linux /proc")
+    assert train_gpt.main(["--log_dir=/proc/forbidden"], {}) == train_gpt.EXIT_CONFIG
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("train_gpt.py: error: --log_dir='/proc/forbidden': cannot write")
+
+
+def test_log_dir_check_leaves_nothing_behind(tmp_path):
+    train_gpt.check_log_dir(train_gpt.Hyperparameters(log_dir=str(tmp_path / "new" / "records")))
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "records").mkdir()
+    train_gpt.check_log_dir(train_gpt.Hyperparameters(log_dir=str(tmp_path / "records")))
+    assert list((tmp_path / "records").iterdir()) == []
+
+
+def fail_log_writes(monkeypatch, when):
+    """Writes of the run log raise ENOSPC from the first line for which when(text) holds."""
+    original = train_gpt.RunLog._append
+    failing = []
+
+    def append(self, text):
+        if failing or when(text):
+            failing.append(text)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        original(self, text)
+    monkeypatch.setattr(train_gpt.RunLog, "_append", append)
+
+
+@pytest.mark.parametrize("when, step", [(lambda text: text.startswith("step:3/6 train"), 3),
+                                        (lambda text: text.startswith("peak memory"), 6)])
+def test_full_disk_ends_the_run_with_one_line_naming_the_log_and_the_step(tmp_path, make_shards, monkeypatch,
+                                                                          capsys, when, step):
+    train_glob, val_glob, _ = make_shards()
+    log_dir = tmp_path / "records"
+    fail_log_writes(monkeypatch, when)
+    argv = tiny_argv(train_files=train_glob, val_files=val_glob, log_dir=log_dir, num_iterations=6, val_every=0,
+                     check_every=1)
+    assert train_gpt.main(argv, {}) == train_gpt.EXIT_ERROR
+    path = next(log_dir.glob("*/*.txt"))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"train_gpt.py: error: cannot write the log {path} (No space left on device) at step {step}/6; "
+                   "the lines written before are kept"]
+    text = path.read_text()
+    assert text.endswith("\n")  # whole lines only, up to the one that failed
+    assert text.splitlines()[-1].startswith("step:2/6 train_time" if step == 3 else "step:6/6 val_loss")
