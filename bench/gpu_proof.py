@@ -397,8 +397,7 @@ def muon_layout(tg, torch):
     per_rank, source = {}, "ShardedMuonAdam.state_tensors() on the meta device"
     for world in (1, 8):
         try:
-            ranks = tg.Ranks.from_env({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(world),
-                                       "LOCAL_WORLD_SIZE": str(world)})
+            ranks = tg.Ranks(rank=0, local_rank=0, world_size=world, local_world_size=world)
             opt = tg.ShardedMuonAdam(tg.param_specs(model, args), args, ranks, hw)
             found = {}
             for t in opt.state_tensors():
