@@ -1523,8 +1523,9 @@ def normuon_normalize(update, second_moment, beta2, eps=1e-10):
 
 
 def adam_apply(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, step):
-    """Adam as the record computes it, op for op (so bf16 state rounds the same way): eps is added
-    to the uncorrected sqrt(v), and the bias corrections fold into the step size."""
+    """Adam as the record computes it: eps is added to the uncorrected sqrt(v), and the bias
+    corrections fold into the step size. (The record compiles this step, so its bf16 moments
+    round only where stored; here each op rounds: a rounding-level difference.)"""
     exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
     step_size = lr * (1 - beta2 ** step) ** 0.5 / (1 - beta1 ** step)

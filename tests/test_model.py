@@ -218,6 +218,7 @@ def test_hardware_branches(monkeypatch, cuda, capability, fp8):
     FlexAttention on CUDA, the dense-mask path and the PyTorch twin on CPU."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1 if cuda else 0)
     args = train_gpt.Hyperparameters(fp8_head=True)
     hw = train_gpt.Hardware.detect(args)
     assert hw.fp8_head is fp8
