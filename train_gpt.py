@@ -2435,7 +2435,7 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
             return f"interrupted at step {step}/{N} ({signal.Signals(signum).name})", 128 + signum
         bad = [i for i, loss in enumerate(losses) if not math.isfinite(loss)]
         if bad:
-            return (f"diverged at step {checked + bad[0] + 1}/{N}: train loss is {losses[bad[0]]} "
+            return (f"diverged at step {first_step + checked + bad[0] + 1}/{N}: train loss is {losses[bad[0]]} "
                     f"(stopped at step {step})", EXIT_DIVERGED)
         if log_failed:
             return f"{log_error(log) or 'rank 0 cannot write the log'} at step {step}/{N}", EXIT_ERROR
@@ -2446,6 +2446,7 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
     step = 0
     if checkpoint is not None:
         step, training_time_ms = restore_checkpoint(checkpoint, args.resume, model, optimizer, ranks, hw, log)
+    first_step = step  # step_losses[i] is the loss of step first_step + i + 1
     synchronize(hw)
     t0 = time.perf_counter()
     stop.deferred = True  # from here on a signal ends the run at the next check, on every rank
