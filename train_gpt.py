@@ -120,7 +120,7 @@ class Hyperparameters:
     muon_bucket_matrices: int = 8       # matrices per gradient reduce-scatter (rounded up to a multiple of world size)
     ns_method: str = "newton_schulz"    # newton_schulz (the record's), polar_express or aol (Turbo-Muon)
     ns_backend: str = "auto"            # triton on CUDA, torch elsewhere; or force one
-    muon_update_scale: str = "record"   # record: muon_lr x max(1, rows/cols)^0.5; moonlight: adam_lr x 0.2*max(rows, cols)^0.5
+    muon_update_scale: str = "record"   # update x muon_lr*max(1, rows/cols)^0.5 (record) or adam_lr*0.2*max(rows, cols)^0.5
     normuon: bool = False               # NorMuon variance normalization after orthogonalization
     normuon_beta2: float = 0.95         # NorMuon second-moment decay
     weight_decay: float = 0.0           # Muon weight decay (decoupled, scaled by lr)

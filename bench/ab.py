@@ -156,7 +156,7 @@ def plot(configs, results, path):
     for i, (label, _) in enumerate(configs):
         runs = [r["run"] for r in results if r["label"] == label and r["problem"] is None]
         colour = colours[i % len(colours)]
-        for j, run in enumerate(runs):
+        for run in runs:
             steps = [step for step, _, _ in run.val_curve]
             losses = [loss for _, _, loss in run.val_curve]
             ax.plot(steps, losses, color=colour, alpha=0.35, linewidth=1)

@@ -41,7 +41,8 @@ def test_ab_end_to_end(make_shards, tmp_path):
     for label in ("base", "low"):
         for seed in (0, 1):
             (log,) = (out / "logs").glob(f"*_ab_{label}_s{seed}/*.txt")
-            assert f"seed={seed}" in log.read_text() and f"muon_lr={0.05 if label == 'base' else 0.01}" in log.read_text()
+            text = log.read_text()
+            assert f"seed={seed}" in text and f"muon_lr={0.05 if label == 'base' else 0.01}" in text
             losses.setdefault(label, []).append(final_loss(log))
     assert losses["base"][0] != losses["base"][1]  # the seed reaches the run
 
