@@ -62,7 +62,8 @@ BOS_TOKEN = 50256  # GPT-2's <|endoftext|>; every document in a shard starts wit
 #
 # One dataclass holds every knob. Its defaults are the 8xH100 speedrun: the public record of
 # 2025-08-23 ("SparseAttnGate", 1695 steps, val loss 3.2787 over 14 runs), reproduced exactly;
-# our own ideas (other orthogonalizers, NorMuon, cautious weight decay) are flags that are off.
+# our own ideas (other orthogonalizers, NorMuon, cautious weight decay, Moonlight's update scale)
+# are flags that are off.
 # The `cpu` preset shrinks the model and data so a laptop finishes in minutes. Precedence:
 # preset < environment (upper-case field name, e.g. NUM_ITERATIONS=100) < command line
 # (--num_iterations 100). Every value is checked before any process group, file or tensor is
@@ -119,6 +120,7 @@ class Hyperparameters:
     muon_bucket_matrices: int = 8       # matrices per gradient reduce-scatter (rounded up to a multiple of world size)
     ns_method: str = "newton_schulz"    # newton_schulz (the record's), polar_express or aol (Turbo-Muon)
     ns_backend: str = "auto"            # triton on CUDA, torch elsewhere; or force one
+    muon_update_scale: str = "record"   # update x muon_lr*max(1, rows/cols)^0.5 (record) or adam_lr*0.2*max(rows, cols)^0.5
     normuon: bool = False               # NorMuon variance normalization after orthogonalization
     normuon_beta2: float = 0.95         # NorMuon second-moment decay
     weight_decay: float = 0.0           # Muon weight decay (decoupled, scaled by lr)
@@ -178,9 +180,13 @@ REPO_DIR = os.path.dirname(os.path.abspath(__file__))
 
 NS_METHODS = ("newton_schulz", "polar_express", "aol")
 NS_BACKENDS = ("torch", "triton")
+# How each orthogonalized matrix update is scaled: the record's shape factor with muon_lr, or
+# Moonlight's (Liu et al. 2025), which gives the update AdamW's typical RMS (about 0.2) so that
+# Muon can share adam_lr.
+MUON_UPDATE_SCALES = ("record", "moonlight")
 # Fields that take one of a fixed set of values (booleans aside); check_config and --help read this.
 CHOICES = dict(preset=tuple(PRESETS), ns_method=NS_METHODS, ns_backend=("auto",) + NS_BACKENDS,
-               device=("auto", "cpu", "cuda"))
+               muon_update_scale=MUON_UPDATE_SCALES, device=("auto", "cpu", "cuda"))
 
 
 class ConfigError(ValueError):
@@ -1087,6 +1093,7 @@ class MatrixSlot:
     spec: ParamSpec
     index: int | None     # which matrix of a stacked (k, rows, cols) parameter; None for 2-D
     transposed: bool
+    update_scale: str = "record"  # Hyperparameters.muon_update_scale
 
     def view(self, tensor):
         t = tensor if self.index is None else tensor[self.index]
@@ -1095,6 +1102,8 @@ class MatrixSlot:
     @property
     def lr_scale(self):
         rows, cols = self.spec.param.shape[-2:]
+        if self.update_scale == "moonlight":
+            return 0.2 * max(rows, cols) ** 0.5 * self.spec.lr_mult
         return max(1.0, rows / cols) ** 0.5 * self.spec.lr_mult
 
 
@@ -1187,7 +1196,7 @@ class ShardedMuonAdam:
             p = s.param
             tall = p.size(-2) > p.size(-1)
             indices = [None] if p.ndim == 2 else list(range(p.shape[0]))
-            slots += [MatrixSlot(s, i, tall) for i in indices]
+            slots += [MatrixSlot(s, i, tall, args.muon_update_scale) for i in indices]
         by_shape = {}
         for slot in slots:
             by_shape.setdefault(tuple(slot.view(slot.spec.param).shape), []).append(slot)
@@ -1428,7 +1437,7 @@ class ShardedMuonAdam:
         if group["real"]:  # a rank may own only padding of a small group (e.g. 4 gates at world size 3)
             torch._foreach_copy_([params[i] for i in group["real"]],
                                  [mine[i].view(mine[i].spec.param) for i in group["real"]])
-        lr = args.muon_lr * self.lr_factor
+        lr = (args.adam_lr if args.muon_update_scale == "moonlight" else args.muon_lr) * self.lr_factor
         new_params = muon_apply(params, update, lr * group["lr_scale"], lr * args.weight_decay, args.cautious_wd)
         if W == 1:
             torch._foreach_copy_([slot.view(slot.spec.param) for slot in mine], list(new_params))

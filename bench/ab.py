@@ -1,0 +1,250 @@
+"""A/B of trainer options: K seeds of each configuration, mean, sd and Welch p against the first.
+
+Each configuration is a label and trainer flags, e.g.
+    python bench/ab.py --config base="--ns_method newton_schulz" --config aol="--ns_method aol" --out /tmp/ab
+The first configuration is the baseline. Every run is `train_gpt.py COMMON FLAGS --seed S` as its
+own process (seeds 0..K-1, --threads T each, at most --parallel at a time), logging to
+DIR/logs/<date>_ab_<label>_s<S>/; the final val loss and the val-loss curve are read back from
+those logs with records/compare.py's parser, and its statistics give the Welch p-values.
+Writes DIR/ab.md (the table, also printed), DIR/ab.json and DIR/ab.png (val loss vs step).
+
+The default COMMON is the cpu preset (4 blocks, width 128, 120 steps of 1024 tokens, on the
+embedded sample unless FineWeb is downloaded) validated every 20 steps. On the 2-core VM, two runs
+of one thread each took 1.3 s per step (2026-11-23), about 3 minutes a run: 4 seeds of 3
+configurations in about 20 minutes.
+"""
+
+import json
+import math
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(REPO_ROOT / "records"))
+sys.path.insert(0, str(REPO_ROOT / "data"))
+
+import compare  # noqa: E402
+from cli_util import OneLineArgumentParser, fail, positive_int  # noqa: E402
+
+DEFAULT_COMMON = "--preset cpu --num_iterations 120 --val_every 20"
+# Set by this script for each run; a configuration may not set them.
+OWN_FLAGS = ("seed", "run_name", "log_dir", "threads")
+LABEL_RE = re.compile(r"^[A-Za-z0-9._-]+$")
+
+
+def parse_configs(texts):
+    """['label=flags', ...] -> [(label, [flag, ...])], or a one-line error."""
+    configs = []
+    for text in texts:
+        label, sep, flags = text.partition("=")
+        if not sep or not LABEL_RE.match(label):
+            fail(f"--config {text!r}: expected LABEL=\"FLAGS\" with a label of letters, digits, '.', '_', '-'")
+        if label in [c[0] for c in configs]:
+            fail(f"--config {label}: the label is used twice")
+        try:
+            argv = shlex.split(flags)
+        except ValueError as e:
+            fail(f"--config {label}: cannot split the flags ({e})")
+        for token in argv:
+            name = token[2:].partition("=")[0].replace("-", "_") if token.startswith("--") else ""
+            if name in OWN_FLAGS:
+                fail(f"--config {label}: sets --{name}, which ab.py sets for every run")
+        configs.append((label, argv))
+    return configs
+
+
+def check_trainer_flags(label, argv):
+    """The trainer's own check, in this process, before any run starts."""
+    import train_gpt
+
+    try:
+        train_gpt.parse_config(argv, dict(os.environ))
+    except train_gpt.ConfigError as e:
+        fail(f"--config {label}: {e}")
+    except train_gpt.HelpRequested:
+        fail(f"--config {label}: --help is not a training flag")
+
+
+def run_one(job, out, threads):
+    label, argv, seed = job
+    run_name = f"ab_{label}_s{seed}"
+    command = [sys.executable, str(REPO_ROOT / "train_gpt.py"), *argv, f"--seed={seed}",
+               f"--run_name={run_name}", f"--log_dir={out / 'logs'}", f"--threads={threads}"]
+    started = time.time()
+    with open(out / "logs" / f"{run_name}.out", "w") as console:
+        code = subprocess.run(command, cwd=REPO_ROOT, stdout=console, stderr=subprocess.STDOUT).returncode
+    logs = sorted((out / "logs").glob(f"*_{run_name}/*.txt"))
+    run = compare.parse_log(logs[-1]) if logs else None
+    problem = None
+    if run is None:
+        last = (out / "logs" / f"{run_name}.out").read_text().strip().splitlines()
+        problem = f"no log (exit status {code}: {last[-1] if last else 'no output'})"
+    elif not run.usable:
+        problem = "; ".join(run.problems)
+    elif code != 0:
+        problem = f"exit status {code}"
+    return dict(label=label, seed=seed, run=run, problem=problem, seconds=time.time() - started,
+                log=str(logs[-1]) if logs else None)
+
+
+def statistics(configs, results):
+    """Per configuration: n, mean, sd, and Welch p against the first (records/compare.py's)."""
+    usable = {label: [r["run"] for r in results if r["label"] == label and r["problem"] is None]
+              for label, _ in configs}
+    base_label = configs[0][0]
+    rows = []
+    for label, argv in configs:
+        runs = usable[label]
+        row = dict(label=label, flags=shlex.join(argv), n=len(runs), mean=None, sd=None, diff=None,
+                   p_two_sided=None, p_lower=None, p_higher=None)
+        if runs:
+            summary = compare.summarize(runs, runs[0].target_val_loss or compare.DEFAULT_TARGET)
+            row.update(mean=summary.loss_mean, sd=summary.loss_std)
+        if label != base_label and runs and usable[base_label]:
+            c = compare.compare(runs, usable[base_label])
+            row.update(diff=c.loss_diff, p_two_sided=c.loss_p_two_sided, p_lower=c.loss_p_lower,
+                       p_higher=None if c.loss_p_lower is None else 1.0 - c.loss_p_lower)
+        rows.append(row)
+    return rows
+
+
+def finite(x):
+    """JSON has no NaN: a loss that is not finite is written as null."""
+    return x if x is not None and math.isfinite(x) else None
+
+
+def fmt(x, digits=4):
+    return "n/a" if x is None else f"{x:.{digits}f}"
+
+
+def markdown(rows, common, results):
+    lines = [f"Common flags: `{common}`; the first row is the baseline. p: Welch t-test on the final val "
+             "loss (two-sided; 'lower'/'higher': one-sided, this configuration's mean below/above the "
+             "baseline's).", ""]
+    lines += compare._md_table(
+        ["config", "flags", "n", "mean val loss", "sd", "vs baseline", "p", "p lower", "p higher"],
+        [(r["label"], f"`{r['flags']}`" if r["flags"] else "", r["n"], fmt(r["mean"]), fmt(r["sd"]),
+          "" if i == 0 else (fmt(r["diff"]) if r["diff"] is None else f"{r['diff']:+.4f}"),
+          "" if i == 0 else compare._fmt_p(r["p_two_sided"]), "" if i == 0 else compare._fmt_p(r["p_lower"]),
+          "" if i == 0 else compare._fmt_p(r["p_higher"])) for i, r in enumerate(rows)])
+    lines += ["", "Runs:", ""]
+    lines += compare._md_table(
+        ["config", "seed", "final val loss", "seconds", "problem"],
+        [(r["label"], r["seed"], fmt(r["run"].final_val_loss if r["run"] else None), f"{r['seconds']:.0f}",
+          r["problem"] or "") for r in results])
+    return "\n".join(lines) + "\n"
+
+
+def plot(configs, results, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 6))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    finals = []
+    for i, (label, _) in enumerate(configs):
+        runs = [r["run"] for r in results if r["label"] == label and r["problem"] is None]
+        colour = colours[i % len(colours)]
+        for run in runs:
+            steps = [step for step, _, _ in run.val_curve]
+            losses = [loss for _, _, loss in run.val_curve]
+            ax.plot(steps, losses, color=colour, alpha=0.35, linewidth=1)
+            finals.append(run.final_val_loss)
+        curves = {}
+        for run in runs:
+            for step, _, loss in run.val_curve:
+                curves.setdefault(step, []).append(loss)
+        steps = sorted(curves)
+        ax.plot(steps, [np.mean(curves[s]) for s in steps], color=colour, linewidth=2, marker=".",
+                label=f"{label} (mean of {len(runs)})")
+    if finals:  # the first validation (~10.8) would flatten the part that differs
+        top = max(finals) + max(0.5, 5 * (max(finals) - min(finals)))
+        ax.set_ylim(top=top)
+    ax.set_xlabel("step")
+    ax.set_ylabel("validation loss")
+    ax.set_title("Validation loss vs step, per configuration")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None):
+    parser = OneLineArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", action="append", default=[], metavar='LABEL="FLAGS"',
+                        help="a configuration (repeat; the first is the baseline)")
+    parser.add_argument("--seeds", type=positive_int, default=4, help="seeds 0..K-1 of each configuration")
+    parser.add_argument("--common", default=DEFAULT_COMMON, help=f"flags of every run (default: {DEFAULT_COMMON})")
+    parser.add_argument("--threads", type=positive_int, default=1, help="CPU threads per run")
+    parser.add_argument("--parallel", type=positive_int, default=None,
+                        help="runs at a time (default: cores // threads, at least 1)")
+    parser.add_argument("--out", required=True, help="a new or empty folder for the logs and the report")
+    args = parser.parse_args(argv)
+
+    if not args.config:
+        fail("--config: give at least one LABEL=\"FLAGS\" (the first is the baseline)")
+    configs = parse_configs(args.config)
+    try:
+        common = shlex.split(args.common)
+    except ValueError as e:
+        fail(f"--common: cannot split the flags ({e})")
+    for token in common:
+        name = token[2:].partition("=")[0].replace("-", "_") if token.startswith("--") else ""
+        if name in OWN_FLAGS:
+            fail(f"--common: sets --{name}, which ab.py sets for every run")
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        fail(f"--out {out}: exists and is not an empty folder (nothing there is overwritten; choose a new one)")
+    for label, argv in configs:
+        check_trainer_flags(label, common + argv)
+    try:
+        (out / "logs").mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        fail(f"--out {out}: cannot create it ({e.strerror or e})")
+    parallel = args.parallel or max(1, (os.cpu_count() or 1) // args.threads)
+
+    # seed-major order, so that an interrupted A/B has as many runs of every configuration
+    jobs = [(label, common + argv, seed) for seed in range(args.seeds) for label, argv in configs]
+    print(f"{len(jobs)} runs ({len(configs)} configurations x {args.seeds} seeds), {parallel} at a time, "
+          f"{args.threads} thread(s) each; logs in {out / 'logs'}", flush=True)
+    results = []
+    with ThreadPoolExecutor(parallel) as pool:
+        for done, result in enumerate(pool.map(lambda job: run_one(job, out, args.threads), jobs), start=1):
+            loss = result["run"].final_val_loss if result["run"] else None
+            print(f"[{done}/{len(jobs)}] {result['label']} seed {result['seed']}: "
+                  f"{result['problem'] or f'final val loss {fmt(loss)}'} ({result['seconds']:.0f} s)", flush=True)
+            results.append(result)
+
+    rows = statistics(configs, results)
+    report = markdown(rows, args.common, results)
+    (out / "ab.md").write_text(report)
+    (out / "ab.json").write_text(json.dumps(dict(
+        common=args.common, seeds=args.seeds, threads=args.threads, parallel=parallel,
+        configs=rows,
+        runs=[dict(label=r["label"], seed=r["seed"], log=r["log"], problem=r["problem"],
+                   seconds=round(r["seconds"], 1),
+                   final_val_loss=finite(r["run"].final_val_loss) if r["run"] else None,
+                   val_curve=[[step, finite(loss)] for step, _, loss in r["run"].val_curve] if r["run"] else [])
+              for r in results]), indent=1, allow_nan=False) + "\n")
+    plot(configs, results, out / "ab.png")
+    print()
+    print(report, end="")
+    print(f"wrote {out / 'ab.md'}, {out / 'ab.json'}, {out / 'ab.png'}")
+    failed = [r for r in results if r["problem"] is not None]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

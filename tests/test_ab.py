@@ -1,0 +1,92 @@
+"""bench/ab.py end to end on the tiny model: 2 configurations x 2 seeds of 4 steps; the table, the
+JSON and the plot exist, and the statistics are those of the logs' own final val losses."""
+
+import json
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from conftest import ROOT, tiny_argv
+
+AB = str(ROOT / "bench" / "ab.py")
+VAL_RE = re.compile(r"^step:(\d+)/(\d+) val_loss:(\S+) ")
+
+
+def final_loss(log):
+    finals = [float(m.group(3)) for line in log.read_text().splitlines()
+              if (m := VAL_RE.match(line)) and m.group(1) == m.group(2)]
+    assert len(finals) == 1, log
+    return finals[0]
+
+
+def test_ab_end_to_end(make_shards, tmp_path):
+    train_glob, val_glob, _ = make_shards()
+    common = shlex.join(tiny_argv(train_files=train_glob, val_files=val_glob, num_iterations=4, val_every=2))
+    out = tmp_path / "ab"
+    done = subprocess.run([sys.executable, AB, "--config", "base=--muon_lr 0.05", "--config", "low=--muon_lr=0.01",
+                           "--seeds", "2", "--parallel", "2", "--common", common, "--out", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    for name in ("ab.md", "ab.json", "ab.png"):
+        assert (out / name).stat().st_size > 0, name
+    assert (out / "ab.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    losses = {}
+    for label in ("base", "low"):
+        for seed in (0, 1):
+            (log,) = (out / "logs").glob(f"*_ab_{label}_s{seed}/*.txt")
+            text = log.read_text()
+            assert f"seed={seed}" in text and f"muon_lr={0.05 if label == 'base' else 0.01}" in text
+            losses.setdefault(label, []).append(final_loss(log))
+    assert losses["base"][0] != losses["base"][1]  # the seed reaches the run
+
+    report = json.loads((out / "ab.json").read_text())
+    base, low = report["configs"]
+    assert (base["label"], low["label"], base["n"], low["n"]) == ("base", "low", 2, 2)
+    for row, label in ((base, "base"), (low, "low")):
+        assert row["mean"] == pytest.approx(np.mean(losses[label]), abs=1e-9)
+        assert row["sd"] == pytest.approx(np.std(losses[label], ddof=1), abs=1e-9)
+    welch = stats.ttest_ind(losses["low"], losses["base"], equal_var=False)
+    assert low["p_two_sided"] == pytest.approx(welch.pvalue, rel=1e-9)
+    assert low["diff"] == pytest.approx(np.mean(losses["low"]) - np.mean(losses["base"]), abs=1e-9)
+    assert base["p_two_sided"] is None
+    assert {(r["label"], r["seed"]) for r in report["runs"]} == {(c, s) for c in ("base", "low") for s in (0, 1)}
+    assert all(r["val_curve"][-1] == [4, r["final_val_loss"]] for r in report["runs"])
+
+    table = (out / "ab.md").read_text()
+    assert f"| low | `--muon_lr=0.01` | 2 | {np.mean(losses['low']):.4f} |" in table
+    assert f"Common flags: `{common}`" in table
+    assert table in done.stdout
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "--config: give at least one"),
+    (["--config", "a=--muon_lr fast"], "--config a: --muon_lr='fast': expected float"),
+    (["--config", "a=--seed 3"], "--config a: sets --seed, which ab.py sets"),
+    (["--config", "a=", "--config", "a=--normuon true"], "--config a: the label is used twice"),
+    (["--config", "a b=--normuon true"], "expected LABEL=\"FLAGS\""),
+    (["--config", "a=", "--seeds", "0"], "--seeds: expected a positive integer"),
+])
+def test_bad_arguments_fail_in_one_line_before_any_run(tmp_path, argv, message):
+    out = tmp_path / "ab"
+    done = subprocess.run([sys.executable, AB, *argv, "--out", str(out)], capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert message in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert not out.exists()
+
+
+def test_an_existing_report_is_never_overwritten(tmp_path):
+    out = tmp_path / "ab"
+    out.mkdir()
+    (out / "ab.md").write_text("earlier results\n")
+    done = subprocess.run([sys.executable, AB, "--config", "a=", "--out", str(out)], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode != 0 and "exists and is not an empty folder" in done.stderr
+    assert (out / "ab.md").read_text() == "earlier results\n"
+    assert sorted(p.name for p in Path(out).iterdir()) == ["ab.md"]
