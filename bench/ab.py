@@ -41,6 +41,19 @@ OWN_FLAGS = ("seed", "run_name", "log_dir", "threads")
 LABEL_RE = re.compile(r"^[A-Za-z0-9._-]+$")
 
 
+def split_flags(flags, where):
+    """Trainer flags as argv; one line naming `where` if they do not split or set a flag ab.py owns."""
+    try:
+        argv = shlex.split(flags)
+    except ValueError as e:
+        fail(f"{where}: cannot split the flags ({e})")
+    for token in argv:
+        name = token[2:].partition("=")[0].replace("-", "_") if token.startswith("--") else ""
+        if name in OWN_FLAGS:
+            fail(f"{where}: sets --{name}, which ab.py sets for every run")
+    return argv
+
+
 def parse_configs(texts):
     """['label=flags', ...] -> [(label, [flag, ...])], or a one-line error."""
     configs = []
@@ -50,15 +63,7 @@ def parse_configs(texts):
             fail(f"--config {text!r}: expected LABEL=\"FLAGS\" with a label of letters, digits, '.', '_', '-'")
         if label in [c[0] for c in configs]:
             fail(f"--config {label}: the label is used twice")
-        try:
-            argv = shlex.split(flags)
-        except ValueError as e:
-            fail(f"--config {label}: cannot split the flags ({e})")
-        for token in argv:
-            name = token[2:].partition("=")[0].replace("-", "_") if token.startswith("--") else ""
-            if name in OWN_FLAGS:
-                fail(f"--config {label}: sets --{name}, which ab.py sets for every run")
-        configs.append((label, argv))
+        configs.append((label, split_flags(flags, f"--config {label}")))
     return configs
 
 
@@ -196,14 +201,7 @@ def main(argv=None):
     if not args.config:
         fail("--config: give at least one LABEL=\"FLAGS\" (the first is the baseline)")
     configs = parse_configs(args.config)
-    try:
-        common = shlex.split(args.common)
-    except ValueError as e:
-        fail(f"--common: cannot split the flags ({e})")
-    for token in common:
-        name = token[2:].partition("=")[0].replace("-", "_") if token.startswith("--") else ""
-        if name in OWN_FLAGS:
-            fail(f"--common: sets --{name}, which ab.py sets for every run")
+    common = split_flags(args.common, "--common")
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         fail(f"--out {out}: exists and is not an empty folder (nothing there is overwritten; choose a new one)")

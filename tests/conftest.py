@@ -63,3 +63,18 @@ TINY = dict(
 def tiny_argv(**overrides):
     values = dict(TINY, **overrides)
     return [f"--{k}={v}" for k, v in values.items()]
+
+
+def perturbed_tiny_model(scale=0.02, **overrides):
+    """(args, hw, model) for TINY with overrides, every parameter nudged off its initial value
+    (zero-initialized projections and head would otherwise block most gradients)."""
+    import train_gpt
+    args = train_gpt.Hyperparameters(**dict(TINY, **overrides))
+    train_gpt.check_config(args, 1, False)
+    hw = train_gpt.Hardware.detect(args)
+    torch.manual_seed(0)
+    model = train_gpt.GPT(args, hw)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * torch.randn_like(p))
+    return args, hw, model

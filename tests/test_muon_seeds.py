@@ -10,20 +10,12 @@ import pytest
 import torch
 
 import train_gpt
-from conftest import TINY
+from conftest import perturbed_tiny_model
 
 
 def tiny_setup(**overrides):
-    args = train_gpt.Hyperparameters(**dict(TINY, **overrides))
-    train_gpt.check_config(args, 1, False)
-    hw = train_gpt.Hardware.detect(args)
-    torch.manual_seed(0)
-    model = train_gpt.GPT(args, hw)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.02 * torch.randn_like(p))
-    specs = train_gpt.param_specs(model, args)
-    return args, hw, model, specs
+    args, hw, model = perturbed_tiny_model(**overrides)
+    return args, hw, model, train_gpt.param_specs(model, args)
 
 
 def one_step(args, hw, specs, grads, lr_factor=1.0, momentum=0.9):

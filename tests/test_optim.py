@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import train_gpt
-from conftest import TINY
+from conftest import TINY, perturbed_tiny_model
 
 
 def test_adam_is_the_records_formula():
@@ -74,22 +74,10 @@ def test_schedules():
     assert train_gpt.muon_momentum_at(50, args) == pytest.approx(0.95)
 
 
-def tiny_setup(**overrides):
-    args = train_gpt.Hyperparameters(**dict(TINY, **overrides))
-    train_gpt.check_config(args, 1, False)
-    hw = train_gpt.Hardware.detect(args)
-    torch.manual_seed(0)
-    model = train_gpt.GPT(args, hw)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.02 * torch.randn_like(p))
-    return args, hw, model
-
-
 def test_muon_step_matches_the_formula():
     """One step at world size 1 for every Muon matrix: Nesterov momentum, orthogonalize the
     (wide) update, scale by sqrt(max(1, rows/cols)) and the lr."""
-    args, hw, model = tiny_setup(muon_lr=0.03, muon_momentum_start=0.9)
+    args, hw, model = perturbed_tiny_model(muon_lr=0.03, muon_momentum_start=0.9)
     specs = train_gpt.param_specs(model, args)
     optimizer = train_gpt.ShardedMuonAdam(specs, args, train_gpt.Ranks(), hw)
     muon = [s for s in specs if s.optimizer == "muon"]

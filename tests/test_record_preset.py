@@ -165,15 +165,8 @@ def test_gradients_are_the_records_eight_gpu_gradients_at_any_accumulation():
     """The record backpropagates each micro-batch's summed loss and averages over 8 ranks: the
     gradient is the mean over micro-batches of the per-micro-batch sums. With 8 micro-batches on
     one rank the optimizer sees the same gradient (backward sums, the optimizer divides)."""
-    from conftest import TINY
-    args = train_gpt.Hyperparameters(**dict(TINY, micro_batches=4, bf16_embeds=False))
-    train_gpt.check_config(args, 1, False)
-    hw = train_gpt.Hardware.detect(args)
-    torch.manual_seed(0)
-    model = train_gpt.GPT(args, hw)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
+    from conftest import perturbed_tiny_model
+    args, hw, model = perturbed_tiny_model(0.05, micro_batches=4, bf16_embeds=False)
     specs = train_gpt.param_specs(model, args)
     optimizer = train_gpt.ShardedMuonAdam(specs, args, train_gpt.Ranks(), hw)
     g = torch.Generator().manual_seed(1)
