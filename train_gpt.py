@@ -288,10 +288,15 @@ def _layer_list(text):
     return [int(x) for x in text.split(",") if x.strip()]
 
 
+def run_folder(args):
+    """records/<YYYY-MM-DD>_<run_name>: where a run's log (and checkpoint) goes."""
+    return os.path.join(args.log_dir, f"{datetime.date.today().isoformat()}_{args.run_name}")
+
+
 def check_log_dir(args):
     """The run's log folder must be creatable and writable: checked by creating it and writing a
     probe file there (permission bits alone would pass /proc for root), then removing both again."""
-    folder = os.path.join(args.log_dir, f"{datetime.date.today().isoformat()}_{args.run_name}")
+    folder = run_folder(args)
     created = []
     probe = os.path.join(folder, f".probe-{uuid.uuid4()}")
     try:
@@ -2198,8 +2203,7 @@ class RunLog:
         self.path = None
         self.error = None
         if ranks.is_master:
-            folder = os.path.join(args.log_dir, f"{datetime.date.today().isoformat()}_{args.run_name}")
-            self.path = os.path.join(folder, f"{uuid.uuid4()}.txt")
+            self.path = os.path.join(run_folder(args), f"{uuid.uuid4()}.txt")
         self.started = False
 
     def __call__(self, text, console=True):
