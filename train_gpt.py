@@ -119,6 +119,7 @@ class Hyperparameters:
     muon_momentum_warmup_steps: int = 300  # ... over this many steps
     muon_bucket_matrices: int = 8       # matrices per gradient reduce-scatter (rounded up to a multiple of world size)
     ns_method: str = "newton_schulz"    # newton_schulz (the record's), polar_express or aol (Turbo-Muon)
+    ns_coeffs: str = ""                 # "a,b,c;a,b,c;...": replaces ns_method's table, one quintic per step
     ns_backend: str = "auto"            # triton on CUDA, torch elsewhere; or force one
     muon_update_scale: str = "record"   # update x muon_lr*max(1, rows/cols)^0.5 (record) or adam_lr*0.2*max(rows, cols)^0.5
     normuon: bool = False               # NorMuon variance normalization after orthogonalization
@@ -191,6 +192,19 @@ CHOICES = dict(preset=tuple(PRESETS), ns_method=NS_METHODS, ns_backend=("auto",)
 
 class ConfigError(ValueError):
     """A bad configuration value; the message is one line naming the field."""
+
+
+def parse_ns_coeffs(text: str) -> list | None:
+    """--ns_coeffs "a,b,c;a,b,c" -> [(a, b, c), ...]; None when empty (the method's own table)."""
+    if not text.strip():
+        return None
+    try:
+        steps = [tuple(float(v) for v in step.split(",")) for step in text.split(";") if step.strip()]
+    except ValueError:
+        steps = []
+    if not steps or any(len(step) != 3 or not all(map(math.isfinite, step)) for step in steps):
+        raise ConfigError(f"--ns_coeffs={text!r}: expected finite a,b,c triples separated by ';'")
+    return steps
 
 
 class HelpRequested(Exception):
@@ -383,6 +397,7 @@ def check_config(args, world_size, cuda_available):
     need(not value_embed_layers & set(free),
          f"--attention_free_layers={args.attention_free_layers!r}: blocks {sorted(value_embed_layers & set(free))} "
          f"take value embeddings (num_value_embeds={n_ve}) and need attention")
+    parse_ns_coeffs(args.ns_coeffs)
     for name, allowed in CHOICES.items():
         need(getattr(args, name) in allowed, f"--{name}={getattr(args, name)!r}: expected one of {', '.join(allowed)}")
     need(args.device != "cuda" or cuda_available, "--device=cuda: no CUDA device is available")
@@ -1183,6 +1198,7 @@ class ShardedMuonAdam:
         self.specs = specs
         self.lr_factor = 1.0
         self.muon_momentum = args.muon_momentum_start
+        self.ns_coeffs = parse_ns_coeffs(args.ns_coeffs)
         # Backward sums the loss over tokens and gradients over micro-steps; ranks average. Dividing
         # by the micro-steps per rank gives every world size the record's 8-GPU gradient (one
         # micro-batch per rank), while backward, the FP8 head included, sees the record's scale.
@@ -1435,7 +1451,8 @@ class ShardedMuonAdam:
         mu = self.muon_momentum
         momentum.lerp_(grads, 1 - mu)
         update = grads.lerp_(momentum, mu)  # Nesterov
-        update = orthogonalize(update.to(self.hw.compute_dtype), args.ns_method, self.hw.ns_backend).float()
+        update = orthogonalize(update.to(self.hw.compute_dtype), args.ns_method, self.hw.ns_backend,
+                               self.ns_coeffs).float()
         if group["second_moment"] is not None:
             update = normuon_normalize(update, group["second_moment"], args.normuon_beta2)
         params = group["param_buffer"]

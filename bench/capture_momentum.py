@@ -1,17 +1,16 @@
-"""Capture real Muon inputs (Nesterov momentum updates) from a short CPU training run.
+"""Capture real Muon inputs (Nesterov momentum updates) at several points of a CPU training run.
 
-The orthogonalization benchmark and the AOL coefficient derivation need matrices whose spectra
-look like what Muon really orthogonalizes, not Gaussian ones. This script trains a 4-block model
-with the speedrun's matrix shapes (dim 768, MLP 3072) on the embedded sample for a few dozen
-steps on CPU, records what the optimizer passes to train_gpt.orthogonalize in the last step,
-and saves a few of those matrices (bf16, ~7 MB) to bench/momentum_samples.pt as
-{name: tensor (B, m, n)}, in the wide orientation Muon stacks them in (768x768 attention,
-768x3072 MLP). Each step sees 8 x 1024 tokens: a gradient is a sum of one outer product per
-token, so with fewer tokens than 3072 per step the MLP gradients would be rank-deficient and
-their spectra unlike the speedrun's (8 x 48k tokens per step).
+The orthogonalization benchmark and the AOL schedule search need matrices whose spectra look
+like what Muon really orthogonalizes, not Gaussian ones. This script trains a model with the
+speedrun's matrix shapes (width 768, MLP 3072; 2 blocks by default) on the embedded sample for a
+few hundred steps on CPU, records what the optimizer passes to train_gpt.orthogonalize at the
+steps named by --at, and saves some of those matrices (bf16) as {"s<step>/<m>x<n>": tensor
+(B, m, n)}, in the wide orientation Muon stacks them in (768x768 attention, 768x3072 MLP).
+Captures from different steps (and layers) let a table be fitted on some and scored on others.
 
-Usage: python bench/capture_momentum.py [--steps 40] [--out bench/momentum_samples.pt]
-Takes about 15 minutes on a 2-core CPU.
+Usage: python bench/capture_momentum.py [--steps 300] [--at 50 150 300] [--out PATH]
+Defaults: 2 blocks, 512 tokens per step (momentum, averaging ~20 steps, still has full rank), about
+15 minutes on the 2-core VM, 21 MB.
 """
 
 import os
@@ -27,41 +26,54 @@ import train_gpt  # noqa: E402
 from data.cli_util import OneLineArgumentParser, positive_int  # noqa: E402
 
 CAPTURE_MODEL = dict(
-    preset="cpu", num_layers=4, model_dim=768, num_heads=6, head_dim=128, window_pattern="LSSL",
-    attention_free_layers="", num_value_embeds=2, attn_block_size=128, train_seq_len=1024, val_seq_len=1024,
-    window_growth_tokens=512, val_tokens=1024, micro_batches=8, val_every=0,
-    warmup_steps=0, compile=False, ns_method="polar_express",
+    preset="cpu", model_dim=768, num_heads=6, head_dim=128, window_pattern="LSSL",
+    attention_free_layers="", num_value_embeds=1, attn_block_size=128, val_seq_len=1024,
+    window_growth_tokens=512, val_tokens=1024, val_every=0, warmup_steps=0, compile=False,
+    muon_momentum_warmup_steps=300,
 )
 
 
 def main():
     parser = OneLineArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=positive_int, default=40, help="training steps; capture at the last")
+    parser.add_argument("--steps", type=positive_int, default=300, help="training steps")
+    parser.add_argument("--at", type=positive_int, nargs="+", default=(50, 150, 300), help="steps to capture at")
+    parser.add_argument("--layers", type=positive_int, default=2)
+    parser.add_argument("--seq-len", type=positive_int, default=512, help="tokens per step (one sequence)")
     parser.add_argument("--keep", type=positive_int, nargs=2, default=(2, 1), metavar=("SQUARE", "WIDE"),
-                        help="matrices kept of the 768x768 and of the 768x3072 stack")
+                        help="matrices kept per step of the 768x768 and of the 768x3072 stack")
+    parser.add_argument("--ns-method", default="newton_schulz", choices=train_gpt.NS_METHODS,
+                        help="the orthogonalizer the captured run trains with")
     parser.add_argument("--out", default=os.path.join(REPO_ROOT, "bench", "momentum_samples.pt"))
     args = parser.parse_args()
+    if max(args.at) > args.steps:
+        parser.error(f"--at {max(args.at)} is after the last step {args.steps}")
     os.chdir(REPO_ROOT)  # the cpu preset's sample paths are relative to the repository
     train_gpt.keep_freed_memory_on_cpu()
     torch.set_num_threads(os.cpu_count() or 1)
-    config = train_gpt.Hyperparameters(**dict(CAPTURE_MODEL, num_iterations=args.steps))
+    config = train_gpt.Hyperparameters(**dict(
+        CAPTURE_MODEL, num_iterations=args.steps, num_layers=args.layers, micro_batches=1, train_seq_len=args.seq_len,
+        window_pattern="LSSL"[:args.layers] if args.layers <= 4 else "LSSL", ns_method=args.ns_method))
     train_gpt.check_config(config, 1, False)
     hw = train_gpt.Hardware.detect(config)
 
     captured = {}
-    state = {"step": 0}
+    state = {"step": 0}  # optimizer steps done so far; the step being taken is state["step"] + 1
     original = train_gpt.orthogonalize
 
     def recording_orthogonalize(G, method="newton_schulz", backend="torch", coeffs=None):
         m, n = G.shape[-2:]
-        if state["step"] == args.steps - 1 and m >= 128:  # the last step's block matrices (not the 6x12 gates)
+        step = state["step"] + 1
+        if step in args.at and min(m, n) >= 128:  # block matrices, not the gates
             keep = args.keep[0] if m == n else args.keep[1]
-            captured[f"{m}x{n}"] = G[:keep].detach().to(torch.bfloat16).clone()
+            # Spread the kept ones over the stack (layers and kinds), not its first few.
+            index = torch.linspace(0, G.size(0) - 1, keep).round().long().unique()
+            captured[f"s{step}/{m}x{n}"] = G[index].detach().to(torch.bfloat16).clone()
         return original(G, method, backend, coeffs)
 
     def on_step(step, model, optimizer):
         state["step"] = step
-        print(f"step {step}/{args.steps} ({time.time() - started:.0f} s)", flush=True)
+        if step % 10 == 0 or step <= 3:
+            print(f"step {step}/{args.steps} ({time.time() - started:.0f} s)", flush=True)
 
     train_gpt.orthogonalize = recording_orthogonalize
     started = time.time()

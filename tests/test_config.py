@@ -67,6 +67,9 @@ BAD = [
     ([], {"ADAM_LR": "nan"}, 1, "--adam_lr=nan: must be a finite number"),
     (["--weight_decay", "-inf"], {}, 1, "--weight_decay=-inf: must be a finite number"),
     (["--check_every", "0"], {}, 1, "--check_every=0: must be positive"),
+    (["--ns_coeffs", "3,-4.7"], {}, 1, "--ns_coeffs='3,-4.7': expected finite a,b,c triples"),
+    (["--ns_coeffs", "3,-4,2;x,1,1"], {}, 1, "--ns_coeffs"),
+    (["--ns_coeffs", "3,-4,inf"], {}, 1, "--ns_coeffs"),
 ]
 
 
@@ -141,3 +144,9 @@ def test_unwritable_log_dir_is_rejected_before_any_work(tmp_path, capsys):
     assert len(err) == 1 and "--log_dir=" in err[0] and "cannot write a file in" in err[0] and "Not a directory" in err[0]
     # a folder that does not exist yet but can be created is fine
     train_gpt.check_log_dir(train_gpt.Hyperparameters(log_dir=str(tmp_path / "new" / "records")))
+
+
+def test_ns_coeffs_parse():
+    assert parse(["--ns_coeffs", " 3.4445,-4.775,2.0315 ; 1,0,0; "]).ns_coeffs.startswith(" 3.4445")
+    assert train_gpt.parse_ns_coeffs("3.4445,-4.775,2.0315 ; 1,0,0;") == [(3.4445, -4.775, 2.0315), (1.0, 0.0, 0.0)]
+    assert train_gpt.parse_ns_coeffs("") is None

@@ -185,3 +185,27 @@ def test_normuon_and_cautious_decay_step_against_seed_001():
                 checked["square"] += 1
             torch.testing.assert_close(stack[i], expected, atol=1e-5, rtol=1e-5, msg=f"{s.name}[{i}]")
     assert checked["wide"] and checked["square"]
+
+
+# --- --ns_coeffs: the orthogonalizer's table from the command line ---------------------------
+
+def test_ns_coeffs_flag_is_the_table_the_optimizer_runs(monkeypatch):
+    """A step with --ns_coeffs T equals a step whose method's own table is T (the module
+    attribute swapped), and differs from the default table's step."""
+    table = [(3.0, -3.2, 1.2), (2.0, -1.5, 0.5), (1.875, -1.25, 0.375)]
+    text = ";".join(",".join(repr(v) for v in step) for step in table)
+
+    def params_after_step(**overrides):
+        args, hw, model, specs = tiny_setup(ns_method="aol", **overrides)
+        torch.manual_seed(1)
+        grads = {s.name: torch.randn_like(s.param) for s in specs}
+        one_step(args, hw, specs, grads)
+        return {s.name: s.param.detach().clone() for s in specs if s.optimizer == "muon"}
+
+    flagged = params_after_step(ns_coeffs=text)
+    default = params_after_step()
+    monkeypatch.setattr(train_gpt, "AOL_COEFFS", table)
+    swapped = params_after_step()
+    for name in flagged:
+        torch.testing.assert_close(flagged[name], swapped[name], rtol=0, atol=0)
+    assert any(not torch.allclose(flagged[n], default[n]) for n in flagged)
