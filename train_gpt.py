@@ -118,6 +118,8 @@ class Hyperparameters:
     muon_momentum_end: float = 0.95     # ... rising linearly to this
     muon_momentum_warmup_steps: int = 300  # ... over this many steps
     muon_bucket_matrices: int = 8       # matrices per gradient reduce-scatter (rounded up to a multiple of world size)
+    matrix_optimizer: str = "muon"      # muon, or adam: the block matrices train with Adam (Muon's gain as a floor)
+    matrix_lr_mult: float = 1.0         # with matrix_optimizer=adam the block matrices train at adam_lr * this
     ns_method: str = "newton_schulz"    # newton_schulz (the record's), polar_express or aol (Turbo-Muon)
     ns_coeffs: str = ""                 # "a,b,c;a,b,c;...": replaces ns_method's table, one quintic per step
     ns_backend: str = "auto"            # triton on CUDA, torch elsewhere; or force one
@@ -185,9 +187,10 @@ NS_BACKENDS = ("torch", "triton")
 # Moonlight's (Liu et al. 2025), which gives the update AdamW's typical RMS (about 0.2) so that
 # Muon can share adam_lr.
 MUON_UPDATE_SCALES = ("record", "moonlight")
+MATRIX_OPTIMIZERS = ("muon", "adam")
 # Fields that take one of a fixed set of values (booleans aside); check_config and --help read this.
 CHOICES = dict(preset=tuple(PRESETS), ns_method=NS_METHODS, ns_backend=("auto",) + NS_BACKENDS,
-               muon_update_scale=MUON_UPDATE_SCALES, device=("auto", "cpu", "cuda"))
+               muon_update_scale=MUON_UPDATE_SCALES, matrix_optimizer=MATRIX_OPTIMIZERS, device=("auto", "cpu", "cuda"))
 
 
 class ConfigError(ValueError):
@@ -357,8 +360,8 @@ def check_config(args, world_size, cuda_available):
     for name in ["adam_beta1", "adam_beta2", "muon_momentum_start", "muon_momentum_end", "normuon_beta2"]:
         value = getattr(args, name)
         need(0.0 <= value < 1.0, f"--{name}={value}: must lie in [0, 1)")
-    for name in ["adam_lr", "muon_lr", "embed_lr_mult", "head_lr_mult", "scalar_lr_mult", "attn_scale",
-                 "logit_softcap", "rotary_base", "adam_shard_min_numel"]:
+    for name in ["adam_lr", "muon_lr", "embed_lr_mult", "head_lr_mult", "scalar_lr_mult", "matrix_lr_mult",
+                 "attn_scale", "logit_softcap", "rotary_base", "adam_shard_min_numel"]:
         need(getattr(args, name) > 0, f"--{name}={getattr(args, name)}: must be positive")
 
     need(all(c.isalnum() or c in "._-" for c in args.run_name) and args.run_name not in ("", ".", ".."),
@@ -1909,7 +1912,8 @@ class GPT(nn.Module):
 
 def param_specs(model, args):
     """Which optimizer trains each parameter, and its learning-rate multiplier: Adam for the
-    embeddings, the head and the scalars; Muon for every block matrix, the attention gate included."""
+    embeddings, the head and the scalars; Muon for every block matrix, the attention gate included
+    (Adam with --matrix_optimizer adam)."""
     specs = []
     L = len(model.blocks)
 
@@ -1926,6 +1930,8 @@ def param_specs(model, args):
             specs.append(ParamSpec(name, p, "adam", "embed", args.embed_lr_mult))
         elif name == "lm_head_w":
             specs.append(ParamSpec(name, p, "adam", "head", args.head_lr_mult))
+        elif p.ndim >= 2 and args.matrix_optimizer == "adam":
+            specs.append(ParamSpec(name, p, "adam", "matrix", args.matrix_lr_mult))
         elif p.ndim >= 2:
             specs.append(ParamSpec(name, p, "muon", "matrix", 1.0))
         else:

@@ -96,6 +96,29 @@ def test_muon_step_matches_the_formula():
         torch.testing.assert_close(s.param.detach(), expected, atol=1e-5, rtol=1e-5, msg=s.name)
 
 
+def test_adam_matrices_step_is_adam_at_the_matrix_lr():
+    """--matrix_optimizer adam: no Muon; every block matrix takes the record's Adam step at
+    adam_lr * matrix_lr_mult (first step: m = (1-b1) g, v = (1-b2) g^2)."""
+    args, hw, model = perturbed_tiny_model(matrix_optimizer="adam", matrix_lr_mult=0.5, adam_lr=0.01)
+    specs = train_gpt.param_specs(model, args)
+    assert all(s.optimizer == "adam" for s in specs)
+    matrices = [s for s in specs if s.group == "matrix"]
+    assert {tuple(s.param.shape) for s in matrices} >= {(4, 32, 32), (32, 128)}
+    optimizer = train_gpt.ShardedMuonAdam(specs, args, train_gpt.Ranks(), hw)
+    assert not optimizer.muon_groups
+    before = {s.name: s.param.detach().clone() for s in matrices}
+    grads = {s.name: torch.randn_like(s.param) for s in specs}
+    for s in specs:
+        s.param.grad = grads[s.name].clone()
+    optimizer.step()
+    b1, b2, eps = args.adam_beta1, args.adam_beta2, args.adam_eps
+    for s in matrices:
+        g = grads[s.name]
+        m, v = (1 - b1) * g, (1 - b2) * g ** 2
+        expected = before[s.name] - 0.005 * (1 - b2) ** 0.5 / (1 - b1) * m / (v.sqrt() + eps)
+        torch.testing.assert_close(s.param.detach(), expected, atol=1e-6, rtol=1e-5, msg=s.name)
+
+
 @pytest.mark.parametrize("method", train_gpt.NS_METHODS)
 def test_each_orthogonalizer_trains(make_shards, method):
     train_glob, val_glob, _ = make_shards()
@@ -107,7 +130,8 @@ def test_each_orthogonalizer_trains(make_shards, method):
     assert result.val_losses[-1][1] < result.val_losses[0][1] - 0.5
 
 
-@pytest.mark.parametrize("options", [dict(normuon=True), dict(weight_decay=0.1, cautious_wd=True)])
+@pytest.mark.parametrize("options", [dict(normuon=True), dict(weight_decay=0.1, cautious_wd=True),
+                                     dict(matrix_optimizer="adam", matrix_lr_mult=0.25)])
 def test_muon_options_train(make_shards, options):
     train_glob, val_glob, _ = make_shards()
     args = train_gpt.Hyperparameters(**dict(TINY, train_files=train_glob, val_files=val_glob, num_iterations=6,
