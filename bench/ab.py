@@ -101,8 +101,30 @@ def run_one(job, out, threads):
                 log=str(logs[-1]) if logs else None)
 
 
+def paired(results, label, base_label):
+    """Seed s of every configuration starts from the same weights and sees the same data (the seed
+    sets only the initialization), so the per-seed difference to the baseline removes most of the
+    seed-to-seed spread: its mean, sd and the paired t-test's two-sided and one-sided ('higher':
+    this configuration worse) p over the seeds both have."""
+    by_seed = {}
+    for r in results:
+        if r["problem"] is None and r["label"] in (label, base_label):
+            by_seed.setdefault(r["seed"], {})[r["label"]] = r["run"].final_val_loss
+    pairs = [(v[label], v[base_label]) for _, v in sorted(by_seed.items()) if len(v) == 2]
+    if not pairs:
+        return dict(n_paired=0, paired_diff=None, paired_sd=None, p_paired=None, p_paired_higher=None)
+    ours, base = (list(x) for x in zip(*pairs))
+    diffs = np.subtract(ours, base)
+    spread = len(pairs) >= 2 and float(np.std(diffs, ddof=1)) > 0
+    return dict(n_paired=len(pairs), paired_diff=float(diffs.mean()),
+                paired_sd=float(np.std(diffs, ddof=1)) if len(pairs) >= 2 else None,
+                p_paired=compare._p_value("ttest_rel", ours, base) if spread else None,
+                p_paired_higher=compare._p_value("ttest_rel", ours, base, alternative="greater") if spread else None)
+
+
 def statistics(configs, results):
-    """Per configuration: n, mean, sd, and Welch p against the first (records/compare.py's)."""
+    """Per configuration: n, mean, sd, Welch p against the first (records/compare.py's), and the
+    paired-by-seed difference and p."""
     usable = {label: [r["run"] for r in results if r["label"] == label and r["problem"] is None]
               for label, _ in configs}
     base_label = configs[0][0]
@@ -118,6 +140,8 @@ def statistics(configs, results):
             c = compare.compare(runs, usable[base_label])
             row.update(diff=c.loss_diff, p_two_sided=c.loss_p_two_sided, p_lower=c.loss_p_lower,
                        p_higher=None if c.loss_p_lower is None else 1.0 - c.loss_p_lower)
+        if label != base_label:
+            row.update(paired(results, label, base_label))
         rows.append(row)
     return rows
 
@@ -134,13 +158,23 @@ def fmt(x, digits=4):
 def markdown(rows, common, results):
     lines = [f"Common flags: `{common}`; the first row is the baseline. p: Welch t-test on the final val "
              "loss (two-sided; 'lower'/'higher': one-sided, this configuration's mean below/above the "
-             "baseline's).", ""]
+             "baseline's). Paired: the same seed's runs differ only in the configuration (the seed sets "
+             "the initialization; the data is the same), so the per-seed differences are tested too "
+             "(paired t-test; 'higher': worse than the baseline).", ""]
+
+    def signed(x):
+        return fmt(x) if x is None else f"{x:+.4f}"
+
     lines += compare._md_table(
-        ["config", "flags", "n", "mean val loss", "sd", "vs baseline", "p", "p lower", "p higher"],
+        ["config", "flags", "n", "mean val loss", "sd", "vs baseline", "p", "p lower", "p higher",
+         "paired diff (sd)", "paired p", "paired p higher"],
         [(r["label"], f"`{r['flags']}`" if r["flags"] else "", r["n"], fmt(r["mean"]), fmt(r["sd"]),
-          "" if i == 0 else (fmt(r["diff"]) if r["diff"] is None else f"{r['diff']:+.4f}"),
+          "" if i == 0 else signed(r["diff"]),
           "" if i == 0 else compare._fmt_p(r["p_two_sided"]), "" if i == 0 else compare._fmt_p(r["p_lower"]),
-          "" if i == 0 else compare._fmt_p(r["p_higher"])) for i, r in enumerate(rows)])
+          "" if i == 0 else compare._fmt_p(r["p_higher"]),
+          "" if i == 0 else f"{signed(r['paired_diff'])} ({fmt(r['paired_sd'])})",
+          "" if i == 0 else compare._fmt_p(r["p_paired"]), "" if i == 0 else compare._fmt_p(r["p_paired_higher"]))
+         for i, r in enumerate(rows)])
     lines += ["", "Runs:", ""]
     lines += compare._md_table(
         ["config", "seed", "final val loss", "seconds", "problem"],

@@ -115,10 +115,13 @@ def check_minimax(coeffs, level, lower, upper, grid_points: int = 200001, rel_to
 
 
 def derive_schedule(lower: float, steps: int, safety: float = 1.02, cushion: float = 0.02,
-                    upper: float = 1.0, verify: bool = True):
+                    upper: float = 1.0, verify: bool = True, cap_final: bool = False):
     """Greedy minimax schedule of `steps` odd quintics for singular values in [lower, upper].
 
-    Returns a list of (a, b, c) tuples, one per step, in application order.
+    cap_final: scale the last step so that its largest value on its interval is 1 (the minimax
+    step otherwise ends in [1 - E, 1 + E], overshooting 1 by E): a safety margin on the output,
+    which bf16 rounds and the update's size scales with. Returns a list of (a, b, c) tuples,
+    one per step, in application order.
     """
     if not 0 < lower <= upper:
         raise ValueError(f"need 0 < lower <= upper, got [{lower}, {upper}]")
@@ -133,6 +136,10 @@ def derive_schedule(lower: float, steps: int, safety: float = 1.02, cushion: flo
         a, b, c = (recentre * v for v in coeffs)
         if step < steps - 1:
             a, b, c = a / safety, b / safety**3, c / safety**5
+        elif cap_final:
+            grid = np.concatenate([[lower, upper], _interior_extrema((a, b, c), lower, upper)])
+            top = float(np.max(_quintic((a, b, c), grid)))
+            a, b, c = a / top, b / top, c / top
         schedule.append((a, b, c))
         lower = _quintic((a, b, c), lower)
         upper = 2 - lower

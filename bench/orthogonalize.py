@@ -1,10 +1,15 @@
-"""Compare the orthogonalizers: polar error, singular value band, GEMM FLOPs, speed.
+"""Compare the orthogonalizers: polar error, cosine, singular values, update size, GEMM FLOPs, speed.
 
-For every variant (NS5, PE5, AOL + Polar Express steps 2-5, AOL + the Dion/You
-table, AOL + a derived table) and every input set, prints
+For every variant (NS5, PE5, AOL + four Newton-Schulz steps, AOL + Polar Express steps
+2-5, AOL + the Dion/You table, AOL + train_gpt.AOL_COEFFS or a derived table) and every
+input set, prints
 - polar error ||f(G) - U V^T||_F / ||U V^T||_F against an fp64 SVD of G (mean over
   the matrices of the set),
+- cos: the cosine between f(G) and U V^T (Frobenius inner product; 1 = same direction,
+  whatever the size), mean over the set,
 - min / median / max singular value of f(G) over the set,
+- rms: the update's RMS relative to the exact polar factor's, ||f(G)||_F / ||U V^T||_F
+  (what the learning rate multiplies; 1 for an exact polar factor),
 - a row "(AOL scaling, exact)" per input: the polar error of the exact polar factor
   of diag(s) G (AOL's floor: it converges to that, not to polar(G)) and the singular
   values of diag(s) G, the range an AOL table has to map to 1,
@@ -54,6 +59,7 @@ def variants(aol_table, aol_label):
     return [
         ("NS5", "newton_schulz", ns.NEWTON_SCHULZ_COEFFS),
         ("PE5", "polar_express", ns.POLAR_EXPRESS_COEFFS),
+        ("AOL+NS4", "aol", ns.NEWTON_SCHULZ_COEFFS[:4]),
         ("AOL+PE(2-5)", "aol", ns.POLAR_EXPRESS_COEFFS[1:]),
         ("AOL+Dion", "aol", DION_AOL_COEFFS),
         (aol_label, "aol", aol_table),
@@ -93,10 +99,13 @@ def emulated_bf16(G: torch.Tensor, method: str, coeffs) -> torch.Tensor:
 
 
 def accuracy(stack: torch.Tensor, reference: torch.Tensor, method: str, coeffs):
+    """Per matrix: polar error, cosine to the polar factor, RMS relative to it; and all singular values."""
     out = emulated_bf16(stack, method, coeffs).double()
-    errors = (out - reference).norm(dim=(-2, -1)) / reference.norm(dim=(-2, -1))
-    sv = singular_values(out)
-    return errors, sv
+    ref_norm = reference.norm(dim=(-2, -1))
+    errors = (out - reference).norm(dim=(-2, -1)) / ref_norm
+    out_norm = out.norm(dim=(-2, -1))
+    cosine = (out * reference).sum(dim=(-2, -1)) / (out_norm * ref_norm).clamp_min(1e-300)
+    return dict(error=errors, cosine=cosine, rms=out_norm / ref_norm), singular_values(out)
 
 
 def cuda_timing(shape, batch, method, coeffs, backend, warmup=3, iters=10):
@@ -127,34 +136,35 @@ def speed_columns(shape, gpu_batch, method, coeffs):
 
 
 def report_set(title, matrices, rows, gpu_batch, show_speed):
-    """Print one table; returns {label: (mean polar error, dense-PE5-relative FLOP sum)}."""
+    """Print one table; returns {label: (mean polar error, GEMM FLOPs relative to PE5's, same kernels)}."""
     print(f"\n== {title} ==")
-    header = f"{'shape':>10} {'variant':<22} {'polar_err':>9} {'sv_min':>7} {'sv_med':>7} {'sv_max':>7} " \
-             f"{'GF dense':>8} {'GF sym':>7}"
+    header = f"{'matrices':>16} {'variant':<22} {'polar_err':>9} {'sv_min':>7} {'sv_med':>7} {'sv_max':>7} " \
+             f"{'cos':>6} {'rms':>6} {'GF dense':>8} {'GF sym':>7}"
     if show_speed:
         header += "   ms triton TFLOP/s   ms torch TFLOP/s"
     print(header)
     totals = {label: [0.0, 0.0, 0] for label, _, _ in rows}  # error sum, sym FLOPs, matrices
-    dense_pe5_flops = 0.0
+    pe5_flops = 0.0  # on the same symmetric kernels, as every method runs in the trainer
     for name, stack in matrices:
         stack = stack.float()
         reference = polar_factor(stack.to(torch.bfloat16))
-        print(f"{name:>10} {'(AOL scaling, exact)':<22} " + aol_row(stack, reference))
+        print(f"{name:>16} {'(AOL scaling, exact)':<22} " + aol_row(stack, reference))
         m, n = stack.shape[-2:]
-        dense_pe5_flops += stack.shape[0] * ns.orthogonalize_flops(m, n, "polar_express", symmetric=False)
+        pe5_flops += stack.shape[0] * ns.orthogonalize_flops(m, n, "polar_express", symmetric=True)
         for label, method, coeffs in rows:
-            errors, sv = accuracy(stack, reference, method, coeffs)
+            metrics, sv = accuracy(stack, reference, method, coeffs)
             dense = ns.orthogonalize_flops(m, n, method, symmetric=False, steps=len(coeffs))
             sym = ns.orthogonalize_flops(m, n, method, symmetric=True, steps=len(coeffs))
-            line = f"{name:>10} {label:<22} {errors.mean().item():9.4f} {sv.min().item():7.3f} " \
-                   f"{sv.median().item():7.3f} {sv.max().item():7.3f} {dense / 1e9:8.2f} {sym / 1e9:7.2f}"
+            line = f"{name:>16} {label:<22} {metrics['error'].mean().item():9.4f} {sv.min().item():7.3f} " \
+                   f"{sv.median().item():7.3f} {sv.max().item():7.3f} {metrics['cosine'].mean().item():6.3f} " \
+                   f"{metrics['rms'].mean().item():6.3f} {dense / 1e9:8.2f} {sym / 1e9:7.2f}"
             if show_speed:
                 line += "   " + speed_columns((m, n), gpu_batch, method, coeffs)
             print(line, flush=True)
-            totals[label][0] += errors.sum().item()
+            totals[label][0] += metrics["error"].sum().item()
             totals[label][1] += stack.shape[0] * sym
             totals[label][2] += stack.shape[0]
-    return {label: (err / count, sym / dense_pe5_flops) for label, (err, sym, count) in totals.items()}
+    return {label: (err / count, sym / pe5_flops) for label, (err, sym, count) in totals.items()}
 
 
 def load_momentum_samples(path, max_per_name):
@@ -210,7 +220,7 @@ def main():
     pe5_error = summary["PE5"][0]
     aol_error, aol_flop_ratio = summary[aol_label]
     print(f"{aol_label}: polar error {aol_error:.4f} = {aol_error / pe5_error:.2f}x PE5's {pe5_error:.4f} "
-          f"on {summary_set}; GEMM FLOPs {aol_flop_ratio:.1%} of PE5 dense")
+          f"on {summary_set}; GEMM FLOPs {aol_flop_ratio:.1%} of PE5's (or NS5's) on the same kernels")
 
 
 if __name__ == "__main__":

@@ -56,6 +56,12 @@ def test_ab_end_to_end(make_shards, tmp_path):
     assert low["p_two_sided"] == pytest.approx(welch.pvalue, rel=1e-9)
     assert low["diff"] == pytest.approx(np.mean(losses["low"]) - np.mean(losses["base"]), abs=1e-9)
     assert base["p_two_sided"] is None
+    diffs = np.subtract(losses["low"], losses["base"])  # seed s against seed s
+    assert low["n_paired"] == 2 and low["paired_diff"] == pytest.approx(diffs.mean(), abs=1e-9)
+    assert low["paired_sd"] == pytest.approx(np.std(diffs, ddof=1), abs=1e-9)
+    assert low["p_paired"] == pytest.approx(stats.ttest_rel(losses["low"], losses["base"]).pvalue, rel=1e-9)
+    assert low["p_paired_higher"] == pytest.approx(
+        stats.ttest_rel(losses["low"], losses["base"], alternative="greater").pvalue, rel=1e-9)
     assert {(r["label"], r["seed"]) for r in report["runs"]} == {(c, s) for c in ("base", "low") for s in (0, 1)}
     assert all(r["val_curve"][-1] == [4, r["final_val_loss"]] for r in report["runs"])
 
