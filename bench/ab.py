@@ -68,15 +68,37 @@ def parse_configs(texts):
 
 
 def check_trainer_flags(label, argv):
-    """The trainer's own check, in this process, before any run starts."""
+    """The trainer's own check, in this process, before any run starts; the configuration as the
+    run's log header will state it ({field: str(value)})."""
+    import dataclasses
+
     import train_gpt
 
     try:
-        train_gpt.parse_config(argv, dict(os.environ))
+        args = train_gpt.parse_config(argv, dict(os.environ))
     except train_gpt.ConfigError as e:
         fail(f"--config {label}: {e}")
     except train_gpt.HelpRequested:
         fail(f"--config {label}: --help is not a training flag")
+    return {f.name: str(getattr(args, f.name)) for f in dataclasses.fields(args)}
+
+
+def finished_run(out, label, seed, expected):
+    """--resume: the earlier complete run of this job in out/logs, or None if there is none. One
+    line if it was made with other settings than `expected` (names, seeds and paths aside)."""
+    run_name = f"ab_{label}_s{seed}"
+    logs = sorted((out / "logs").glob(f"*_{run_name}/*.txt"))
+    runs = [run for run in map(compare.parse_log, logs) if run is not None and run.usable]
+    if not runs:
+        return None
+    run = runs[-1]
+    differing = [f"{key} ({run.config[key]} vs {value})" for key, value in expected.items()
+                 if key in run.config and key not in compare.IGNORED_CONFIG | set(OWN_FLAGS)
+                 and run.config[key] != value]
+    if differing:
+        fail(f"--resume: {run.path} was run with other settings than --config {label} now has: "
+             f"{', '.join(differing)}; use a new --out")
+    return dict(label=label, seed=seed, run=run, problem=None, seconds=0.0, log=str(run.path), reused=True)
 
 
 def run_one(job, out, threads):
@@ -230,6 +252,9 @@ def main(argv=None):
     parser.add_argument("--parallel", type=positive_int, default=None,
                         help="runs at a time (default: cores // threads, at least 1)")
     parser.add_argument("--out", required=True, help="a new or empty folder for the logs and the report")
+    parser.add_argument("--resume", action="store_true",
+                        help="--out may hold an earlier A/B: its complete runs of the same settings are reused "
+                             "(to finish an interrupted A/B, or add configurations or seeds to one); the report is rewritten")
     args = parser.parse_args(argv)
 
     if not args.config:
@@ -237,10 +262,10 @@ def main(argv=None):
     configs = parse_configs(args.config)
     common = split_flags(args.common, "--common")
     out = Path(args.out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        fail(f"--out {out}: exists and is not an empty folder (nothing there is overwritten; choose a new one)")
-    for label, argv in configs:
-        check_trainer_flags(label, common + argv)
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not args.resume)):
+        fail(f"--out {out}: exists and is not an empty folder (nothing there is overwritten; choose a new one, "
+             "or --resume to reuse its runs)")
+    expected = {label: check_trainer_flags(label, common + argv) for label, argv in configs}
     try:
         (out / "logs").mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -249,9 +274,16 @@ def main(argv=None):
 
     # seed-major order, so that an interrupted A/B has as many runs of every configuration
     jobs = [(label, common + argv, seed) for seed in range(args.seeds) for label, argv in configs]
+    results = []
+    if args.resume:
+        for label, _, seed in jobs:
+            if (earlier := finished_run(out, label, seed, dict(expected[label], seed=str(seed)))) is not None:
+                results.append(earlier)
+        reused = {(r["label"], r["seed"]) for r in results}
+        jobs = [job for job in jobs if (job[0], job[2]) not in reused]
+        print(f"--resume: {len(reused)} finished runs reused", flush=True)
     print(f"{len(jobs)} runs ({len(configs)} configurations x {args.seeds} seeds), {parallel} at a time, "
           f"{args.threads} thread(s) each; logs in {out / 'logs'}", flush=True)
-    results = []
     with ThreadPoolExecutor(parallel) as pool:
         for done, result in enumerate(pool.map(lambda job: run_one(job, out, args.threads), jobs), start=1):
             loss = result["run"].final_val_loss if result["run"] else None
@@ -259,6 +291,9 @@ def main(argv=None):
                   f"{result['problem'] or f'final val loss {fmt(loss)}'} ({result['seconds']:.0f} s)", flush=True)
             results.append(result)
 
+    order = {(label, seed): i for i, (label, seed) in
+             enumerate((label, seed) for seed in range(args.seeds) for label, _ in configs)}
+    results.sort(key=lambda r: order[(r["label"], r["seed"])])
     rows = statistics(configs, results)
     report = markdown(rows, args.common, results)
     (out / "ab.md").write_text(report)

@@ -96,3 +96,34 @@ def test_an_existing_report_is_never_overwritten(tmp_path):
     assert done.returncode != 0 and "exists and is not an empty folder" in done.stderr
     assert (out / "ab.md").read_text() == "earlier results\n"
     assert sorted(p.name for p in Path(out).iterdir()) == ["ab.md"]
+
+
+def test_resume_reuses_finished_runs_and_refuses_changed_flags(make_shards, tmp_path):
+    """--resume adds a configuration and a seed to an earlier A/B without re-running what it has;
+    the same label with other flags is refused in one line, before any run."""
+    train_glob, val_glob, _ = make_shards()
+    common = shlex.join(tiny_argv(train_files=train_glob, val_files=val_glob, num_iterations=2, val_every=2))
+    out = tmp_path / "ab"
+
+    def ab(*argv):
+        return subprocess.run([sys.executable, AB, *argv, "--common", common, "--out", str(out)],
+                              capture_output=True, text=True, timeout=120)
+
+    first = ab("--config", "base=--muon_lr 0.05", "--seeds", "1")
+    assert first.returncode == 0, first.stdout + first.stderr
+    (base_log,) = (out / "logs").glob("*_ab_base_s0/*.txt")
+    refused = ab("--config", "base=--muon_lr 0.05", "--seeds", "1")
+    assert refused.returncode != 0 and "--resume" in refused.stderr
+
+    more = ab("--config", "base=--muon_lr 0.05", "--config", "low=--muon_lr 0.01", "--seeds", "2", "--resume")
+    assert more.returncode == 0, more.stdout + more.stderr
+    assert "1 finished runs reused" in more.stdout and "3 runs (2 configurations x 2 seeds)" in more.stdout
+    assert list((out / "logs").glob("*_ab_base_s0/*.txt")) == [base_log]
+    report = json.loads((out / "ab.json").read_text())
+    assert [(r["label"], r["seed"]) for r in report["runs"]] == [("base", 0), ("low", 0), ("base", 1), ("low", 1)]
+    assert report["runs"][0]["final_val_loss"] == final_loss(base_log)
+    assert report["configs"][1]["n_paired"] == 2
+
+    changed = ab("--config", "base=--muon_lr 0.02", "--seeds", "1", "--resume")
+    assert changed.returncode != 0
+    assert "muon_lr (0.05 vs 0.02)" in changed.stderr and len(changed.stderr.strip().splitlines()) == 1
