@@ -56,7 +56,7 @@ def post_aol_spectrum(stacks):
 
 
 def coeffs_flag(coeffs):
-    return ";".join(",".join(f"{v:.10g}" for v in step) for step in coeffs)
+    return ";".join(",".join(repr(float(v)) for v in step) for step in coeffs)  # exact: repr round-trips
 
 
 def candidates(fit_spectrum):

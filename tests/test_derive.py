@@ -62,6 +62,23 @@ def test_schedule_maps_its_interval_into_the_predicted_band():
     assert final_high - final_low < 0.05
 
 
+@pytest.mark.parametrize("lower, steps", [(1e-3, 5), (0.01, 4), (0.05, 3)])
+def test_cap_final_ends_at_or_below_one(lower, steps):
+    """cap_final changes only the last step, by one factor, so that the composed map's largest
+    value on [lower, 1] is 1 (the uncapped table overshoots it)."""
+    plain, capped = derive_schedule(lower, steps), derive_schedule(lower, steps, cap_final=True)
+    np.testing.assert_allclose(np.array(plain[:-1]), np.array(capped[:-1]), rtol=0)
+    ratio = np.array(capped[-1]) / np.array(plain[-1])
+    np.testing.assert_allclose(ratio, ratio[0], rtol=1e-12)
+    x = np.geomspace(lower, 1.0, 200001)
+    y, z = x.copy(), x.copy()
+    for step in plain:
+        y = step[0] * y + step[1] * y**3 + step[2] * y**5
+    for step in capped:
+        z = step[0] * z + step[1] * z**3 + step[2] * z**5
+    assert y.max() > 1.0 and z.max() == pytest.approx(1.0, abs=1e-6) and z.max() <= 1.0 + 1e-9
+
+
 def test_rejects_a_bad_interval():
     with pytest.raises(ValueError):
         derive_schedule(0.0, 3)
