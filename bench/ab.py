@@ -123,6 +123,16 @@ def run_one(job, out, threads):
                 log=str(logs[-1]) if logs else None)
 
 
+def detectable_difference(sd, n):
+    """The smallest mean paired difference that would reach p = 0.05 (two-sided paired t-test) with
+    this sd of the per-seed differences over n seeds: t(0.975, n-1) x sd / sqrt(n)."""
+    if sd is None or n < 2:
+        return None
+    from scipy import stats
+
+    return float(stats.t.ppf(0.975, n - 1) * sd / math.sqrt(n))
+
+
 def paired(results, label, base_label):
     """Seed s of every configuration starts from the same weights and sees the same data (the seed
     sets only the initialization), so the per-seed difference to the baseline removes most of the
@@ -134,12 +144,13 @@ def paired(results, label, base_label):
             by_seed.setdefault(r["seed"], {})[r["label"]] = r["run"].final_val_loss
     pairs = [(v[label], v[base_label]) for _, v in sorted(by_seed.items()) if len(v) == 2]
     if not pairs:
-        return dict(n_paired=0, paired_diff=None, paired_sd=None, p_paired=None, p_paired_higher=None)
+        return dict(n_paired=0, paired_diff=None, paired_sd=None, detectable=None, p_paired=None, p_paired_higher=None)
     ours, base = (list(x) for x in zip(*pairs))
     diffs = np.subtract(ours, base)
     spread = len(pairs) >= 2 and float(np.std(diffs, ddof=1)) > 0
-    return dict(n_paired=len(pairs), paired_diff=float(diffs.mean()),
-                paired_sd=float(np.std(diffs, ddof=1)) if len(pairs) >= 2 else None,
+    sd = float(np.std(diffs, ddof=1)) if len(pairs) >= 2 else None
+    return dict(n_paired=len(pairs), paired_diff=float(diffs.mean()), paired_sd=sd,
+                detectable=detectable_difference(sd, len(pairs)),
                 p_paired=compare._p_value("ttest_rel", ours, base) if spread else None,
                 p_paired_higher=compare._p_value("ttest_rel", ours, base, alternative="greater") if spread else None)
 
@@ -182,20 +193,22 @@ def markdown(rows, common, results):
              "loss (two-sided; 'lower'/'higher': one-sided, this configuration's mean below/above the "
              "baseline's). Paired: the same seed's runs differ only in the configuration (the seed sets "
              "the initialization; the data is the same), so the per-seed differences are tested too "
-             "(paired t-test; 'higher': worse than the baseline).", ""]
+             "(paired t-test; 'higher': worse than the baseline). Detectable: the smallest mean paired "
+             "difference that would reach p = 0.05 with this sd and number of seeds.", ""]
 
     def signed(x):
         return fmt(x) if x is None else f"{x:+.4f}"
 
     lines += compare._md_table(
         ["config", "flags", "n", "mean val loss", "sd", "vs baseline", "p", "p lower", "p higher",
-         "paired diff (sd)", "paired p", "paired p higher"],
+         "paired diff (sd)", "paired p", "paired p higher", "detectable"],
         [(r["label"], f"`{r['flags']}`" if r["flags"] else "", r["n"], fmt(r["mean"]), fmt(r["sd"]),
           "" if i == 0 else signed(r["diff"]),
           "" if i == 0 else compare._fmt_p(r["p_two_sided"]), "" if i == 0 else compare._fmt_p(r["p_lower"]),
           "" if i == 0 else compare._fmt_p(r["p_higher"]),
           "" if i == 0 else f"{signed(r['paired_diff'])} ({fmt(r['paired_sd'])})",
-          "" if i == 0 else compare._fmt_p(r["p_paired"]), "" if i == 0 else compare._fmt_p(r["p_paired_higher"]))
+          "" if i == 0 else compare._fmt_p(r["p_paired"]), "" if i == 0 else compare._fmt_p(r["p_paired_higher"]),
+          "" if i == 0 else fmt(r["detectable"]))
          for i, r in enumerate(rows)])
     lines += ["", "Runs:", ""]
     lines += compare._md_table(

@@ -60,6 +60,8 @@ def test_ab_end_to_end(make_shards, tmp_path):
     assert low["n_paired"] == 2 and low["paired_diff"] == pytest.approx(diffs.mean(), abs=1e-9)
     assert low["paired_sd"] == pytest.approx(np.std(diffs, ddof=1), abs=1e-9)
     assert low["p_paired"] == pytest.approx(stats.ttest_rel(losses["low"], losses["base"]).pvalue, rel=1e-9)
+    n = len(diffs)
+    assert low["detectable"] == pytest.approx(stats.t.ppf(0.975, n - 1) * np.std(diffs, ddof=1) / n ** 0.5, rel=1e-9)
     assert low["p_paired_higher"] == pytest.approx(
         stats.ttest_rel(losses["low"], losses["base"], alternative="greater").pvalue, rel=1e-9)
     assert {(r["label"], r["seed"]) for r in report["runs"]} == {(c, s) for c in ("base", "low") for s in (0, 1)}
