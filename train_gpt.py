@@ -630,13 +630,11 @@ POLAR_EXPRESS_COEFFS = [
 
 # Four steps after AOL, derived for the post-AOL spectrum rather than reused from a table made
 # for Frobenius normalization (public Turbo-Muon code runs Polar Express steps 2-5, or the Dion
-# set). Made by `python bench/derive_aol_coeffs.py --from-samples bench/momentum_samples.pt
-# --steps 4`: Polar Express's greedy minimax composition (safety 1.02, cushion 0.02) for
-# singular values in [l, 1], with l = 3.2e-3, the 20% quantile of the singular values of real
-# momentum matrices after AOL scaling, chosen because it minimizes the RMS of p(sigma) - 1 over
-# them. In bench/orthogonalize.py on those matrices its polar error is 0.33 against 0.44 for
-# either public set, but 1.5x that of Polar Express 5 (0.21), at 58% of PE5's dense GEMM FLOPs
-# for 768x3072 (80% of PE5 run on the same symmetric kernels).
+# set): Polar Express's greedy minimax composition (safety 1.02, cushion 0.02) for singular
+# values in [3.2e-3, 1] (bench/derive_aol_coeffs.py). bench/aol_search.py scores it with 72
+# other tables on held-out momentum captured at width 768 (bf16 emulated): the best of the
+# 4-step ones, polar error 0.59 (NS5 0.57, PE5 0.46, public post-AOL sets 0.68), at 4/5 of
+# NS5's GEMM FLOPs on the same kernels.
 # Callers read the module attribute at call time, so assigning a new list swaps it everywhere.
 AOL_COEFFS_LOWER_BOUND = 0.003208792991380404  # the l the table was derived for
 AOL_COEFFS = [

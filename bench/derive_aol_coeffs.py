@@ -26,13 +26,14 @@ spectral norm is <= 1 by the Schur test, so upper=1 holds there as well; only th
 lower bound differs, and it has to be measured on real momentum matrices.
 
 Choosing the lower bound for AOL. After AOL scaling, real momentum matrices have a wide
-spectrum (measured on bench/momentum_samples.pt: max ~0.9, median ~0.01, minimum ~1e-5). Four
+spectrum (bench/momentum_samples.pt, step 150: max ~1.0, median ~6e-4, minimum ~3e-7). Four
 steps cannot lift 1e-5 to 1: a schedule derived for the minimum ends with singular values
 anywhere in [0.006, 2]. So --from-samples derives a schedule for each candidate lower bound
 taken from the measured post-AOL spectrum (its minimum and its 0.1% ... 50% quantiles), scores
 each by the RMS of p(sigma) - 1 over all measured singular values (exactly what the table does
-to the spectrum, computed in fp64 on the scalars), and prints the best. On the committed
-samples that is the 20% quantile, l = 3.2e-3.
+to the spectrum, computed in fp64 on the scalars), and prints the best. train_gpt.AOL_COEFFS is
+derive_schedule(3.2e-3, 4): the 20% quantile of an earlier capture (4 blocks, 40 steps). Scored
+on held-out captures by bench/aol_search.py, no other 4-step table it tries does better.
 
 CLI:  python bench/derive_aol_coeffs.py --lower 1e-3 --steps 5
       python bench/derive_aol_coeffs.py --from-samples bench/momentum_samples.pt --steps 4
