@@ -268,7 +268,12 @@ def main(argv=None):
     parser.add_argument("--resume", action="store_true",
                         help="--out may hold an earlier A/B: its complete runs of the same settings are reused "
                              "(to finish an interrupted A/B, or add configurations or seeds to one); the report is rewritten")
+    parser.add_argument("--report-only", action="store_true",
+                        help="start no run: write the report from the finished runs in --out (an A/B cut short)")
     args = parser.parse_args(argv)
+    if args.report_only and not (Path(args.out) / "logs").is_dir():
+        fail(f"--report-only: {args.out} holds no A/B logs")
+    args.resume = args.resume or args.report_only
 
     if not args.config:
         fail("--config: give at least one LABEL=\"FLAGS\" (the first is the baseline)")
@@ -295,6 +300,9 @@ def main(argv=None):
         reused = {(r["label"], r["seed"]) for r in results}
         jobs = [job for job in jobs if (job[0], job[2]) not in reused]
         print(f"--resume: {len(reused)} finished runs reused", flush=True)
+    if args.report_only:
+        print(f"--report-only: {len(jobs)} runs not finished are left out of the report", flush=True)
+        jobs = []
     print(f"{len(jobs)} runs ({len(configs)} configurations x {args.seeds} seeds), {parallel} at a time, "
           f"{args.threads} thread(s) each; logs in {out / 'logs'}", flush=True)
     with ThreadPoolExecutor(parallel) as pool:

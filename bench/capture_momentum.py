@@ -10,7 +10,7 @@ Captures from different steps (and layers) let a table be fitted on some and sco
 
 Usage: python bench/capture_momentum.py [--steps 300] [--at 50 150 300] [--out PATH]
 Defaults: 2 blocks, 512 tokens per step (momentum, averaging ~20 steps, still has full rank), about
-15 minutes on the 2-core VM, 21 MB.
+15 minutes alone on the 2-core VM (34 minutes beside two A/B runs, 2026-11-25), 21 MB.
 """
 
 import os

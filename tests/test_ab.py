@@ -117,6 +117,13 @@ def test_resume_reuses_finished_runs_and_refuses_changed_flags(make_shards, tmp_
     refused = ab("--config", "base=--muon_lr 0.05", "--seeds", "1")
     assert refused.returncode != 0 and "--resume" in refused.stderr
 
+    before = sorted((out / "logs").iterdir())
+    partial = ab("--config", "base=--muon_lr 0.05", "--config", "low=--muon_lr 0.01", "--seeds", "2", "--report-only")
+    assert partial.returncode == 0, partial.stdout + partial.stderr
+    assert "3 runs not finished are left out" in partial.stdout
+    assert [(r["label"], r["seed"]) for r in json.loads((out / "ab.json").read_text())["runs"]] == [("base", 0)]
+    assert sorted((out / "logs").iterdir()) == before  # no run started
+
     more = ab("--config", "base=--muon_lr 0.05", "--config", "low=--muon_lr 0.01", "--seeds", "2", "--resume")
     assert more.returncode == 0, more.stdout + more.stderr
     assert "1 finished runs reused" in more.stdout and "3 runs (2 configurations x 2 seeds)" in more.stdout
