@@ -83,11 +83,18 @@ def check_trainer_flags(label, argv):
     return {f.name: str(getattr(args, f.name)) for f in dataclasses.fields(args)}
 
 
+def run_logs(out, run_name, since=0.0):
+    """The run's logs in out/logs written at or after `since`, oldest first (log names are random
+    uuids, so only the time orders them)."""
+    logs = [(path.stat().st_mtime, path) for path in (out / "logs").glob(f"*_{run_name}/*.txt")]
+    return [path for mtime, path in sorted(logs) if mtime >= since]
+
+
 def finished_run(out, label, seed, expected):
     """--resume: the earlier complete run of this job in out/logs, or None if there is none. One
     line if it was made with other settings than `expected` (names, seeds and paths aside)."""
     run_name = f"ab_{label}_s{seed}"
-    logs = sorted((out / "logs").glob(f"*_{run_name}/*.txt"))
+    logs = run_logs(out, run_name)
     runs = [run for run in map(compare.parse_log, logs) if run is not None and run.usable]
     if not runs:
         return None
@@ -109,7 +116,7 @@ def run_one(job, out, threads):
     started = time.time()
     with open(out / "logs" / f"{run_name}.out", "w") as console:
         code = subprocess.run(command, cwd=REPO_ROOT, stdout=console, stderr=subprocess.STDOUT).returncode
-    logs = sorted((out / "logs").glob(f"*_{run_name}/*.txt"))
+    logs = run_logs(out, run_name, since=started - 1)  # this run's, not an earlier interrupted one's
     run = compare.parse_log(logs[-1]) if logs else None
     problem = None
     if run is None:

@@ -1,7 +1,9 @@
 """bench/ab.py end to end on the tiny model: 2 configurations x 2 seeds of 4 steps; the table, the
 JSON and the plot exist, and the statistics are those of the logs' own final val losses."""
 
+import datetime
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -124,8 +126,16 @@ def test_resume_reuses_finished_runs_and_refuses_changed_flags(make_shards, tmp_
     assert [(r["label"], r["seed"]) for r in json.loads((out / "ab.json").read_text())["runs"]] == [("base", 0)]
     assert sorted((out / "logs").iterdir()) == before  # no run started
 
+    # An earlier, interrupted run of low seed 1 whose log name sorts after any uuid: the rerun's
+    # own log is read, not it.
+    interrupted = out / "logs" / f"{datetime.date.today().isoformat()}_ab_low_s1" / "ffffffff.txt"
+    interrupted.parent.mkdir()
+    interrupted.write_text(base_log.read_text().split("step:2/")[0])
+    os.utime(interrupted, (1e9, 1e9))
+
     more = ab("--config", "base=--muon_lr 0.05", "--config", "low=--muon_lr 0.01", "--seeds", "2", "--resume")
     assert more.returncode == 0, more.stdout + more.stderr
+    assert all(r["problem"] is None for r in json.loads((out / "ab.json").read_text())["runs"])
     assert "1 finished runs reused" in more.stdout and "3 runs (2 configurations x 2 seeds)" in more.stdout
     assert list((out / "logs").glob("*_ab_base_s0/*.txt")) == [base_log]
     report = json.loads((out / "ab.json").read_text())
