@@ -149,7 +149,8 @@ def derive_schedule(lower: float, steps: int, safety: float = 1.02, cushion: flo
 
 def singular_value_interval(schedule, lower: float, upper: float = 1.0):
     """The guaranteed image of [lower, upper] after each step, as the greedy composition
-    tracks it: [(l_1, u_1), ...]. Only meaningful for schedules built on that interval."""
+    tracks it: [(l_1, u_1), ...]. Only meaningful for schedules built on that interval without
+    cap_final (a capped last step ends in [l, 1], not [l, 2 - l])."""
     bounds = []
     for coeffs in schedule:
         lower = _quintic(coeffs, lower)
@@ -199,7 +200,7 @@ def main():
     parser = OneLineArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lower", type=positive_float, default=1e-3, help="smallest singular value to map near 1")
     parser.add_argument("--from-samples", metavar="PATH",
-                        help="take --lower from the smallest post-AOL singular value of these momentum matrices")
+                        help="take --lower from the post-AOL spectrum of these momentum matrices: the quantile whose table fits it best")
     parser.add_argument("--steps", type=positive_int, default=5)
     parser.add_argument("--upper", type=positive_float, default=1.0, help="largest singular value before the first step")
     parser.add_argument("--safety", type=positive_float, default=1.02)
