@@ -195,6 +195,12 @@ def fmt(x, digits=4):
     return "n/a" if x is None else f"{x:.{digits}f}"
 
 
+def train_seconds(result):
+    """The training time the run's log states (validation excluded), reused runs included."""
+    run = result["run"]
+    return None if run is None or run.train_time_ms is None else run.train_time_ms / 1000
+
+
 def markdown(rows, common, results):
     lines = [f"Common flags: `{common}`; the first row is the baseline. p: Welch t-test on the final val "
              "loss (two-sided; 'lower'/'higher': one-sided, this configuration's mean below/above the "
@@ -219,8 +225,8 @@ def markdown(rows, common, results):
          for i, r in enumerate(rows)])
     lines += ["", "Runs:", ""]
     lines += compare._md_table(
-        ["config", "seed", "final val loss", "seconds", "problem"],
-        [(r["label"], r["seed"], fmt(r["run"].final_val_loss if r["run"] else None), f"{r['seconds']:.0f}",
+        ["config", "seed", "final val loss", "train seconds", "problem"],
+        [(r["label"], r["seed"], fmt(r["run"].final_val_loss if r["run"] else None), fmt(train_seconds(r), 0),
           r["problem"] or "") for r in results])
     return "\n".join(lines) + "\n"
 
@@ -329,7 +335,7 @@ def main(argv=None):
         common=args.common, seeds=args.seeds, threads=args.threads, parallel=parallel,
         configs=rows,
         runs=[dict(label=r["label"], seed=r["seed"], log=r["log"], problem=r["problem"],
-                   seconds=round(r["seconds"], 1),
+                   seconds=None if r.get("reused") else round(r["seconds"], 1), train_seconds=train_seconds(r),
                    final_val_loss=finite(r["run"].final_val_loss) if r["run"] else None,
                    val_curve=[[step, finite(loss)] for step, _, loss in r["run"].val_curve] if r["run"] else [])
               for r in results]), indent=1, allow_nan=False) + "\n")

@@ -141,6 +141,9 @@ def test_resume_reuses_finished_runs_and_refuses_changed_flags(make_shards, tmp_
     report = json.loads((out / "ab.json").read_text())
     assert [(r["label"], r["seed"]) for r in report["runs"]] == [("base", 0), ("low", 0), ("base", 1), ("low", 1)]
     assert report["runs"][0]["final_val_loss"] == final_loss(base_log)
+    train_ms = re.search(r"^step:2/2 val_loss:\S+ train_time:(\d+)ms", base_log.read_text(), re.M).group(1)
+    assert report["runs"][0]["seconds"] is None and report["runs"][0]["train_seconds"] == int(train_ms) / 1000
+    assert all(r["seconds"] > 0 and r["train_seconds"] > 0 for r in report["runs"][1:])
     assert report["configs"][1]["n_paired"] == 2
 
     changed = ab("--config", "base=--muon_lr 0.02", "--seeds", "1", "--resume")
