@@ -197,10 +197,10 @@ def test_singular_values_land_in_the_expected_band(shape, seed):
     assert 0.6 <= low and high <= 1.2
 
     # Each table's greedy composition guarantees a final band for inputs in [l, 1]: PE5
-    # (0.8589, 1.1411) for l = 1e-3 after Frobenius scaling; the AOL table (0.7955, 1.204) for
-    # its own l = 3.2e-3, which these inputs exceed after AOL scaling.
+    # (0.8589, 1.1411) for l = 1e-3 after Frobenius scaling; the AOL table, whose last step is
+    # capped at 1, (0.2694, 1) for its own l = 1e-3, which these inputs exceed after AOL scaling.
     bands = {"polar_express": singular_value_interval(ns.POLAR_EXPRESS_COEFFS, 1e-3)[-1],
-             "aol": singular_value_interval(ns.AOL_COEFFS, ns.AOL_COEFFS_LOWER_BOUND)[-1]}
+             "aol": (singular_value_interval(ns.AOL_COEFFS, ns.AOL_COEFFS_LOWER_BOUND)[-1][0], 1.0)}
     assert torch.linalg.svdvals(ns.aol_precondition(G.double())).min() >= ns.AOL_COEFFS_LOWER_BOUND
     for method, (band_low, band_high) in bands.items():
         low, high = singular_value_range(ns.orthogonalize(G, method))
@@ -214,9 +214,10 @@ def test_singular_values_land_in_the_expected_band(shape, seed):
 
 
 def test_polar_error_ordering_on_gaussian_matrices():
-    # Measured (fp32, this input): NS5 0.21, PE5 0.099, AOL+PE(2-5) 0.093, AOL+derived(0.1)
-    # 0.012, AOL with the default table 0.133 (made for the wide spectra of momentum matrices,
-    # it gives up some accuracy on well-conditioned Gaussian ones).
+    # Measured (fp32, this input): NS5 0.22, PE5 0.099, AOL+PE(2-5) 0.093, AOL+derived(0.1)
+    # 0.012, AOL with the default table 0.41: four steps for [1e-3, 1] end with singular values
+    # in [0.27, 1] (last step capped at 1), a softer update that won the cpu-preset A/B but is
+    # far from orthogonal on well-conditioned matrices.
     # AOL converges to the polar factor of diag(s) G, not of G: the 0.012 left over is
     # that bias, not iteration error (its singular values are 1 to 1e-3).
     G = random_input((3, 48, 144), False, seed=6)
@@ -229,7 +230,7 @@ def test_polar_error_ordering_on_gaussian_matrices():
     }
     assert errors["pe5"] < errors["ns5"] * 0.6
     assert errors["aol_pe"] < errors["pe5"] * 1.15
-    assert errors["aol_default"] < errors["pe5"] * 1.5
+    assert errors["pe5"] < errors["aol_default"] < 0.45
     assert errors["aol_derived"] < errors["pe5"] * 0.3
 
 
