@@ -64,12 +64,13 @@ def test_diverged_run_exits_4_with_one_line_and_a_complete_log(tmp_path, make_sh
     monkeypatch.setattr(train_gpt, "lr_factor_at", lambda step, args: float("nan"))  # nan weights after step 1
     argv = tiny_argv(train_files=train_glob, val_files=val_glob, log_dir=log_dir, num_iterations=20, val_every=0,
                      check_every=5)
+    handler_before = signal.getsignal(signal.SIGINT)  # pytest's; SIG_IGN where pytest was started in the background
     assert train_gpt.main(argv, {}) == train_gpt.EXIT_DIVERGED == 4
     body = only_log(log_dir).splitlines()
     assert body[-2] == "diverged at step 2/20: train loss is nan (stopped at step 5)"
     assert PEAK.match(body[-1])
     assert capsys.readouterr().out.splitlines()[-2:] == body[-2:]
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # main() put pytest's handler back
+    assert signal.getsignal(signal.SIGINT) is handler_before  # main() put the caller's handler back
 
 
 # ------------------------------------------------------------------------------ signals
