@@ -154,8 +154,8 @@ def paired(results, label, base_label):
         return dict(n_paired=0, paired_diff=None, paired_sd=None, detectable=None, p_paired=None, p_paired_higher=None)
     ours, base = (list(x) for x in zip(*pairs))
     diffs = np.subtract(ours, base)
-    spread = len(pairs) >= 2 and float(np.std(diffs, ddof=1)) > 0
     sd = float(np.std(diffs, ddof=1)) if len(pairs) >= 2 else None
+    spread = sd is not None and sd > 0
     return dict(n_paired=len(pairs), paired_diff=float(diffs.mean()), paired_sd=sd,
                 detectable=detectable_difference(sd, len(pairs)),
                 p_paired=compare._p_value("ttest_rel", ours, base) if spread else None,

@@ -31,9 +31,10 @@ steps cannot lift 1e-5 to 1: a schedule derived for the minimum ends with singul
 anywhere in [0.006, 2]. So --from-samples derives a schedule for each candidate lower bound
 taken from the measured post-AOL spectrum (its minimum and its 0.1% ... 50% quantiles), scores
 each by the RMS of p(sigma) - 1 over all measured singular values (exactly what the table does
-to the spectrum, computed in fp64 on the scalars), and prints the best. train_gpt.AOL_COEFFS is
-derive_schedule(3.2e-3, 4): the 20% quantile of an earlier capture (4 blocks, 40 steps). Scored
-on held-out captures by bench/aol_search.py, no other 4-step table it tries does better.
+to the spectrum, computed in fp64 on the scalars), and prints the best. That score is polar
+accuracy, which did not decide loss: train_gpt.AOL_COEFFS is derive_schedule(1e-3, 4,
+cap_final=True), the table that held level with Newton-Schulz in bench/ab.py's A/B, where the
+best-scoring derive_schedule(3.2e-3, 4) was worse (README, "Benchmarks").
 
 CLI:  python bench/derive_aol_coeffs.py --lower 1e-3 --steps 5
       python bench/derive_aol_coeffs.py --from-samples bench/momentum_samples.pt --steps 4
