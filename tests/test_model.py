@@ -153,6 +153,25 @@ def test_fp8_matmul_matches_full_precision():
     assert (w.grad - grad.T @ xf).abs().max() < 0.1 * (grad.T @ xf).abs().max()
 
 
+def test_fp8_ops_fake_matches_real():
+    """torch.compile plans memory from the fake functions: an output whose real strides differ
+    from the fake's fails at run time inside compiled code (it did on an H100: the weight
+    gradient came out transposed). Checks shapes, dtypes and strides of both ops on CPU."""
+    train_gpt.register_fp8_ops()
+    torch.manual_seed(0)
+    scales = train_gpt.fp8_head_scales(32)
+    x = train_gpt.rms_norm(torch.randn(64, 32)).bfloat16()
+    w = torch.randn(48, 32) * 0.1
+    _, x8, w8 = torch.ops.train_gpt.fp8_mm(x, w, *scales)
+    grad = (torch.rand(64, 48) * 2 - 1).bfloat16()
+    for op, inputs in ((torch.ops.train_gpt.fp8_mm.default, (x, w, *scales)),
+                       (torch.ops.train_gpt.fp8_mm_backward.default, (grad, x8, w8, *scales))):
+        result = torch.library.opcheck(op, inputs, test_utils=("test_faketensor",))
+        assert result == {"test_faketensor": "SUCCESS"}, (op, result)
+    grad_x, grad_w = torch.ops.train_gpt.fp8_mm_backward(grad, x8, w8, *scales)
+    assert grad_x.is_contiguous() and grad_w.is_contiguous()
+
+
 def test_fp8_static_scales_cannot_overflow():
     """The scales bound each operand by e4m3's (e5m2's) range: |x_i| <= sqrt(dim) after RMSNorm,
     a one-hot input reaches it; weights up to 0.875; gradients of a summed, soft-capped
