@@ -1162,8 +1162,10 @@ def render_markdown(report):
     out = [f"# GPU proof: {meta.get('device')}, {report['created'][:10]}", ""]
     if report.get("cpu_smoke"):
         out += ["**CPU smoke run**: tiny sizes, fp32, Triton interpreted; no figure here is a GPU measurement.", ""]
-    out += [f"Made by `bench/gpu_proof.py` from train_gpt.py sha256 `{(meta.get('train_gpt_sha256') or '?')[:16]}` "
-            f"(git {(meta.get('git_commit') or '?')[:12]}), torch {meta.get('torch')}, triton {meta.get('triton')}, "
+    sha, git = meta.get("train_gpt_sha256") or "?", meta.get("git_commit") or "?"
+    code = (f"train_gpt.py sha256 `{sha[:16]}` (git {git[:12]})" if not sha.startswith("several")
+            else "train_gpt.py as each command names")
+    out += [f"Made by `bench/gpu_proof.py` from {code}, torch {meta.get('torch')}, triton {meta.get('triton')}, "
             f"CUDA {meta.get('torch_cuda')}. Commands:", ""]
     out += [f"    {c}" for c in report["commands"]] + [""]
     out += ["| phase | status | seconds | checks passed | checks failed | errors |", "|---|---|---|---|---|---|"]
@@ -1220,17 +1222,22 @@ def merge_reports(paths):
     if len(devices) > 1:
         raise ValueError(f"the reports come from different devices: {sorted(devices)}")
     phases, commands = {}, []
+    # A fix between commands means their phases ran different code: then each command names its own.
+    mixed = len({r["meta"].get("train_gpt_sha256") for r in reports} - {None}) > 1
     for r in reports:
         for name, phase in r["phases"].items():
             if name == "train" and adds_runs(phases.get(name), phase):
                 phase = combine_train(phases[name], phase)
             phases[name] = phase
-        commands += r["commands"]
+        sha, git = r["meta"].get("train_gpt_sha256") or "?", r["meta"].get("git_commit") or "?"
+        commands += [f"{c}    # train_gpt.py sha256 {sha[:16]}, git {git[:12]}" if mixed else c for c in r["commands"]]
     phases = {name: phases[name] for name in PHASES if name in phases}
     merged = build_report(phases, commands, any(r.get("cpu_smoke") for r in reports))
     for r in reports:   # meta of a report whose env phase was not merged in
         for key, value in r["meta"].items():
             merged["meta"][key] = merged["meta"].get(key) or value
+    if mixed:
+        merged["meta"]["train_gpt_sha256"] = merged["meta"]["git_commit"] = "several (see the commands)"
     merged["created"] = min(r["created"] for r in reports)
     return merged
 

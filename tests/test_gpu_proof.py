@@ -215,6 +215,23 @@ def test_merge_adds_a_later_train_run_and_keeps_the_first_main_run(tmp_path):
     assert rerun["tables"][0]["rows"] == [["main", "newton_schulz"]]
 
 
+def test_merge_names_each_commands_code_when_a_fix_came_between(tmp_path):
+    paths = []
+    for i, (phase, sha) in enumerate((("correct", "a" * 64), ("train", "b" * 64), ("peer", "b" * 64))):
+        report = gpu_proof.build_report({phase: fake_phase(phase)}, [f"cmd{i}"], False)
+        report["meta"].update(train_gpt_sha256=sha, git_commit="c" * 40)
+        gpu_proof.write_report(str(tmp_path / str(i)), report)
+        paths.append(str(tmp_path / str(i) / "report.json"))
+    merged = gpu_proof.merge_reports(paths)
+    assert merged["commands"] == [f"cmd{i}    # train_gpt.py sha256 {s * 16}, git {'c' * 12}"
+                                  for i, s in enumerate("abb")]
+    assert merged["meta"]["train_gpt_sha256"].startswith("several")
+    gpu_proof.write_report(str(tmp_path / "merged"), merged)
+    assert "from train_gpt.py as each command names," in (tmp_path / "merged" / "report.md").read_text()
+    same = gpu_proof.merge_reports(paths[1:])
+    assert same["commands"] == ["cmd1", "cmd2"] and same["meta"]["train_gpt_sha256"] == "b" * 64
+
+
 def test_orthogonalize_check_stacks_tiny_matrices_enough_to_be_stable():
     """The correct phase bounds Triton's aol error by 1.5x the twin's. The two differ only in the
     Schur row sums (the kernel's from the fp32 Gram, the twin's from the bf16-rounded one); on

@@ -1,0 +1,139 @@
+"""Profile a few training steps of train_gpt.py with torch.profiler.
+
+Runs the trainer in this process with the trainer options given after `--`, starts the profiler
+after optimizer step A and stops it after step B (`--steps A:B`, so steps A+1..B are recorded),
+and writes to --out:
+- kernels.txt: operators and kernels sorted by device time (CUDA) or CPU time, with call counts;
+- categories.txt: device (or CPU) time per step grouped into GEMMs, FlexAttention, inductor
+  kernels, ATen element-wise kernels, and the rest, and the span per step (the gap between span
+  and kernel time is time the GPU sat idle);
+- trace.json.gz: the Chrome trace (open in chrome://tracing or Perfetto).
+On one GPU, A must be past the trainer's warmup and the first compilations to profile the steady
+state (the speedrun preset warms up before its clock starts, so A = 12 of an 18-step run works).
+
+Usage: python bench/profile_step.py --out DIR [--steps 12:15] -- --preset speedrun --num_iterations 18 ...
+"""
+
+import collections
+import gzip
+import json
+import os
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO_ROOT)
+
+import train_gpt  # noqa: E402
+from data.cli_util import OneLineArgumentParser  # noqa: E402
+
+
+def step_range(text):
+    try:
+        first, last = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise ValueError(f"expected A:B with integers A < B, got {text!r}") from None
+    if not 0 <= first < last:
+        raise ValueError(f"expected A:B with 0 <= A < B, got {text!r}")
+    return first, last
+
+
+def kernel_category(name):
+    """Coarse families of device kernels, by the names CUDA libraries, inductor and ATen give them."""
+    if "flex_attention" in name:
+        return "FlexAttention"
+    if name.startswith(("nvjet", "sm90_", "sm80_", "cutlass", "ampere_", "cublas")) or "gemm" in name.lower():
+        return "GEMM (cuBLAS/CUTLASS)"
+    if name.startswith("triton_"):
+        return "inductor kernels"
+    if "nccl" in name.lower():
+        return "NCCL"
+    if "elementwise_kernel" in name:
+        return "ATen element-wise"
+    return "other"
+
+
+def summarize(trace, steps):
+    """Per-step device time by category and the span from the first kernel to the last."""
+    kernels = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and e.get("cat") == "kernel"]
+    if not kernels:
+        return "no device kernels in the trace (CPU run): see kernels.txt for CPU time\n"
+    per = collections.Counter()
+    calls = collections.Counter()
+    for e in kernels:
+        per[kernel_category(e["name"])] += e["dur"]
+        calls[kernel_category(e["name"])] += 1
+    start = min(e["ts"] for e in kernels)
+    end = max(e["ts"] + e["dur"] for e in kernels)
+    lines = [f"{'category':28} {'ms/step':>9} {'calls/step':>11}"]
+    for name, us in per.most_common():
+        lines.append(f"{name:28} {us / 1e3 / steps:9.1f} {calls[name] / steps:11.1f}")
+    lines.append(f"{'all kernels':28} {sum(per.values()) / 1e3 / steps:9.1f}")
+    lines.append(f"{'span (first to last kernel)':28} {(end - start) / 1e3 / steps:9.1f}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    ours, trainer = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    p = OneLineArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True, help="folder for kernels.txt, categories.txt and trace.json.gz")
+    p.add_argument("--steps", default="12:15", help="profile after optimizer step A up to step B (A:B)")
+    opts = p.parse_args(ours)
+    try:
+        first, last = step_range(opts.steps)
+    except ValueError as e:
+        p.error(f"--steps: {e}")
+    if os.path.exists(os.path.join(opts.out, "kernels.txt")):
+        p.error(f"--out={opts.out}: kernels.txt exists; choose a new folder")
+    os.makedirs(opts.out, exist_ok=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    state = {}
+
+    def sync():
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    def on_step(step, model, optimizer):
+        if step == first:
+            sync()
+            state["prof"] = profile(activities=activities)
+            state["prof"].__enter__()
+        elif step == last and "prof" in state:
+            sync()
+            prof = state.pop("prof")
+            prof.__exit__(None, None, None)
+            sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+            with open(os.path.join(opts.out, "kernels.txt"), "w") as f:
+                f.write(prof.key_averages().table(sort_by=sort, row_limit=80))
+            raw = os.path.join(opts.out, "trace.json")
+            prof.export_chrome_trace(raw)
+            with open(raw, "rb") as src, gzip.open(raw + ".gz", "wb") as dst:
+                dst.write(src.read())
+            with open(raw) as f:
+                summary = summarize(json.load(f), last - first)
+            os.remove(raw)
+            with open(os.path.join(opts.out, "categories.txt"), "w") as f:
+                f.write(summary)
+            print(f"[profile_step] steps {first + 1}..{last} written to {opts.out}\n{summary}", flush=True)
+
+    trainer_train = train_gpt.train
+
+    def train(*args, **kwargs):
+        return trainer_train(*args, **dict(kwargs, on_step=on_step))
+
+    train_gpt.train = train   # main() looks train up in the module when it runs
+    try:
+        status = train_gpt.main(trainer)
+    finally:
+        train_gpt.train = trainer_train
+    if not os.path.exists(os.path.join(opts.out, "kernels.txt")):
+        print(f"[profile_step] the run ended before step {last}: nothing profiled", file=sys.stderr)
+        return 1
+    return status or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""bench/profile_step.py: profiles the steps asked for, in a real (tiny) CPU run, and groups kernels."""
+
+import gzip
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench import profile_step  # noqa: E402
+
+
+def test_profiles_the_asked_steps_of_a_cpu_run(tmp_path):
+    out = tmp_path / "prof"
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "profile_step.py"), "--out", str(out), "--steps", "1:2", "--",
+         "--preset", "cpu", "--num_iterations", "3", "--num_layers", "2", "--window_pattern", "LL",
+         "--attention_free_layers", "", "--num_value_embeds", "1", "--log_dir", str(tmp_path / "logs")],
+        capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "steps 2..2 written" in result.stdout
+    table = (out / "kernels.txt").read_text()
+    assert "aten::mm" in table and "# of Calls" in table
+    trace = json.load(gzip.open(out / "trace.json.gz"))
+    assert any(e.get("name") == "aten::mm" for e in trace["traceEvents"])
+    assert not (out / "trace.json").exists()
+
+
+def test_bad_steps_and_an_existing_profile_fail_in_one_line(tmp_path):
+    for steps in ("5:3", "x", "-1:2"):
+        r = subprocess.run([sys.executable, str(ROOT / "bench" / "profile_step.py"), "--out", str(tmp_path),
+                            "--steps", steps], capture_output=True, text=True, timeout=60, cwd=ROOT)
+        assert r.returncode == 2 and "--steps" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    (tmp_path / "kernels.txt").write_text("earlier profile")
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "profile_step.py"), "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert r.returncode == 2 and "kernels.txt exists" in r.stderr
+    assert (tmp_path / "kernels.txt").read_text() == "earlier profile"
+
+
+def test_kernel_categories_and_span():
+    def kernel(name, ts, dur):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur}
+    trace = {"traceEvents": [
+        kernel("nvjet_sm90_tst_192x192_64x3_2x1_v_bz_coopB_NNN", 0, 300),
+        kernel("triton_tem_fused__unsafe_view_flex_attention_backward_1", 400, 200),
+        kernel("triton_poi_fused__unsafe_view_pow_relu_10", 700, 100),
+        kernel("void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl_nocast<...>", 900, 100),
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5000},
+    ]}
+    summary = profile_step.summarize(trace, steps=2)
+    rows = {line[:28].strip(): line[28:].split() for line in summary.splitlines()[1:]}
+    assert rows["GEMM (cuBLAS/CUTLASS)"] == ["0.1", "0.5"]      # 300 us over 2 steps
+    assert rows["FlexAttention"][0] == "0.1" and rows["inductor kernels"][0] == "0.1"
+    assert rows["ATen element-wise"][0] == "0.1"
+    assert rows["all kernels"] == ["0.3"] and rows["span (first to last kernel)"] == ["0.5"]
