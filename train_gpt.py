@@ -1778,8 +1778,20 @@ def _fp8_mm_backward(grad, x8, w8, x_scale, w_scale, grad_scale):
 
 
 @functools.cache
-def _compiled(fn):
-    return torch.compile(fn, dynamic=False)
+def _compiled(fn, backend="inductor"):
+    """fn compiled, and called below the ADInplaceOrView dispatch key. AOT autograd runs the first
+    call of each compiled graph (here: the compiled head's) under a dispatch mode that checks custom
+    ops for aliasing, and a custom op's body then runs with that key excluded; later calls run with
+    it. The key is part of what the compiled fn's guards check, so the body's graph was captured
+    again at the head's second call (one more compile in warmup; new_graphs_round2 = 1 in
+    bench/gpu_proof.py). Excluding it on every call makes every call match the first graph."""
+    compiled = torch.compile(fn, dynamic=False, backend=backend)
+
+    @functools.wraps(fn)
+    def below_inplace_or_view(*args):
+        with torch._C._AutoDispatchBelowADInplaceOrView():
+            return compiled(*args)
+    return below_inplace_or_view
 
 
 def _on_device_of(t, fn):

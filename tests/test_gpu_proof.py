@@ -71,6 +71,9 @@ def test_smoke_correctness_checks_ran_and_passed(smoke):
     assert all(r["sdpa err"] < 1e-5 for r in attention)  # SDPA's gradients against the fp64 reference
     compile_rows = {r["count"]: r for r in rows(correct, "torch.compile")}
     assert compile_rows["graphs_round1"]["measured"] > 2 and compile_rows["graph_breaks"]["measured"] == 0
+    # the capture includes the FP8 head's op bodies compiled as on CUDA, and nothing recompiles at a later window
+    assert correct["values"]["compile_expected_hw"] == "cpu, sdpa, fp8=True (op bodies compiled)"
+    assert compile_rows["new_graphs_round2"]["measured"] == 0
     assert any("FP8 head: skipped: needs CUDA" in n for n in correct["notes"])
 
 
