@@ -11,13 +11,20 @@ and writes to --out:
 On one GPU, A must be past the trainer's warmup and the first compilations to profile the steady
 state (the speedrun preset warms up before its clock starts, so A = 12 of an 18-step run works).
 
+`--script PATH` profiles another training script instead (the public record's, say), run as
+__main__ with the arguments after `--`. Its steps are counted by a global torch.optim step hook
+on the first optimizer that steps, so they include any warmup steps it takes (the record script
+takes 10 before its clock starts: its step 12 is our A = 22).
+
 Usage: python bench/profile_step.py --out DIR [--steps 12:15] -- --preset speedrun --num_iterations 18 ...
+       python bench/profile_step.py --out DIR --steps 22:25 --script peers/SCRIPT.py
 """
 
 import collections
 import gzip
 import json
 import os
+import runpy
 import sys
 
 import torch
@@ -75,17 +82,45 @@ def summarize(trace, steps):
     return "\n".join(lines) + "\n"
 
 
+def run_script(path, argv, on_step):
+    """Run a training script as __main__, calling on_step(step, None, optimizer) after each step of
+    the first torch.optim optimizer that steps (a script with several optimizers steps each once)."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+    counted = {}
+
+    def after_step(optimizer, args, kwargs):
+        counted.setdefault("optimizer", optimizer)
+        if optimizer is counted["optimizer"]:
+            counted["steps"] = counted.get("steps", 0) + 1
+            on_step(counted["steps"], None, optimizer)
+
+    handle = register_optimizer_step_post_hook(after_step)
+    saved_argv = sys.argv
+    sys.argv = [path] + list(argv)
+    try:
+        runpy.run_path(path, run_name="__main__")
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        sys.argv = saved_argv
+        handle.remove()
+    return 0
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     ours, trainer = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
     p = OneLineArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="folder for kernels.txt, categories.txt and trace.json.gz")
     p.add_argument("--steps", default="12:15", help="profile after optimizer step A up to step B (A:B)")
+    p.add_argument("--script", help="profile this training script (run as __main__) instead of train_gpt.py")
     opts = p.parse_args(ours)
     try:
         first, last = step_range(opts.steps)
     except ValueError as e:
         p.error(f"--steps: {e}")
+    if opts.script and not os.path.isfile(opts.script):
+        p.error(f"--script={opts.script}: no such file")
     if os.path.exists(os.path.join(opts.out, "kernels.txt")):
         p.error(f"--out={opts.out}: kernels.txt exists; choose a new folder")
     os.makedirs(opts.out, exist_ok=True)
@@ -119,16 +154,19 @@ def main(argv=None):
                 f.write(summary)
             print(f"[profile_step] steps {first + 1}..{last} written to {opts.out}\n{summary}", flush=True)
 
-    trainer_train = train_gpt.train
+    if opts.script:
+        status = run_script(opts.script, trainer, on_step)
+    else:
+        trainer_train = train_gpt.train
 
-    def train(*args, **kwargs):
-        return trainer_train(*args, **dict(kwargs, on_step=on_step))
+        def train(*args, **kwargs):
+            return trainer_train(*args, **dict(kwargs, on_step=on_step))
 
-    train_gpt.train = train   # main() looks train up in the module when it runs
-    try:
-        status = train_gpt.main(trainer)
-    finally:
-        train_gpt.train = trainer_train
+        train_gpt.train = train   # main() looks train up in the module when it runs
+        try:
+            status = train_gpt.main(trainer)
+        finally:
+            train_gpt.train = trainer_train
     if not os.path.exists(os.path.join(opts.out, "kernels.txt")):
         print(f"[profile_step] the run ended before step {last}: nothing profiled", file=sys.stderr)
         return 1

@@ -56,3 +56,33 @@ def test_kernel_categories_and_span():
     assert rows["FlexAttention"][0] == "0.1" and rows["inductor kernels"][0] == "0.1"
     assert rows["ATen element-wise"][0] == "0.1"
     assert rows["all kernels"] == ["0.3"] and rows["span (first to last kernel)"] == ["0.5"]
+
+
+def test_profiles_another_script_by_its_optimizer_steps(tmp_path):
+    script = tmp_path / "tiny_train.py"
+    script.write_text(
+        "import sys, torch\n"
+        "assert sys.argv[1:] == ['--flag', '7'], sys.argv\n"
+        "model = torch.nn.Linear(8, 8)\n"
+        "opts = [torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.Adam(model.parameters())]\n"
+        "for step in range(4):\n"
+        "    model(torch.randn(16, 8)).square().sum().backward()\n"
+        "    for opt in opts:\n"
+        "        opt.step()\n"
+        "    model.zero_grad()\n")
+    out = tmp_path / "prof"
+    result = subprocess.run([sys.executable, str(ROOT / "bench" / "profile_step.py"), "--out", str(out),
+                             "--steps", "1:3", "--script", str(script), "--", "--flag", "7"],
+                            capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "steps 2..3 written" in result.stdout
+    table = (out / "kernels.txt").read_text()
+    assert "aten::addmm" in table or "aten::linear" in table
+    # both optimizers stepped inside the window (2 steps x 1 each), the first one alone counted
+    trace = json.load(gzip.open(out / "trace.json.gz"))
+    names = [e.get("name", "") for e in trace["traceEvents"]]
+    assert sum(n.startswith("Optimizer.step#SGD.step") for n in names) == 2
+    assert sum(n.startswith("Optimizer.step#Adam.step") for n in names) == 2
+    missing = subprocess.run([sys.executable, str(ROOT / "bench" / "profile_step.py"), "--out", str(tmp_path / "x"),
+                              "--script", str(tmp_path / "none.py")], capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and "--script" in missing.stderr and "no such file" in missing.stderr
