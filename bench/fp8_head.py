@@ -7,7 +7,8 @@ strided-copy kernel; compiled, scaling, rounding and the copy are one fused pass
 times `_fp8_mm_forward` and `_fp8_mm_backward` of train_gpt.py eager and `torch.compile`d (what
 the custom ops run on CUDA) and prints ms per call (CUDA events), host ms per call (time until the
 call returns: a host sync shows up here), whether the compiled outputs equal the eager ones bit
-for bit, and their strides (which must match the ops' fake functions). They are not equal: eager
+for bit, and their strides (the ops' fake functions promise row-major outputs; tests/test_model.py
+checks the fakes against the real ops on CPU). They are not equal: eager
 rounds x / scale to bfloat16 before the float8 cast, compiled code casts the fp32 quotient
 (tests/test_model.py bounds both against full precision). CUDA only.
 

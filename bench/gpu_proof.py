@@ -749,7 +749,8 @@ def check_compile(rec, tg, torch, cuda):
     else:
         measured = expected = compile_counts(tg, torch, cpu_argv, False, "eager", fp8_head=True)
     table = rec.table("torch.compile of the blocks and the head (model.compile_regions, backend aot_eager: "
-                      "graph capture and AOT backward, no code generation; the train phase counts the "
+                      "graph capture and AOT backward, no code generation, except the FP8 op bodies, which "
+                      "train_gpt.py compiles with inductor on CUDA; the train phase counts the "
                       "inductor run), with the FP8 head's two op bodies, compiled on their own on CUDA. "
                       "Expected: as many graphs as the CPU capture of the same layout and FP8 choice "
                       "(SDPA for FlexAttention, the op bodies compiled as on CUDA), no new graphs in "
@@ -1242,14 +1243,16 @@ def merge_reports(paths):
         raise ValueError(f"the reports come from different devices: {sorted(devices)}")
     phases, commands = {}, []
     # A fix between commands means their phases ran different code: then each command names its own.
-    mixed = len({r["meta"].get("train_gpt_sha256") for r in reports} - {None}) > 1
+    shas = {r["meta"].get("train_gpt_sha256") for r in reports} - {None}
+    mixed = len(shas) > 1 or any(s.startswith("several") for s in shas)
     for r in reports:
         for name, phase in r["phases"].items():
             if name == "train" and adds_runs(phases.get(name), phase):
                 phase = combine_train(phases[name], phase)
             phases[name] = phase
         sha, git = r["meta"].get("train_gpt_sha256") or "?", r["meta"].get("git_commit") or "?"
-        commands += [f"{c}    # train_gpt.py sha256 {sha[:16]}, git {git[:12]}" if mixed else c for c in r["commands"]]
+        commands += [f"{c}    # train_gpt.py sha256 {sha[:16]}, git {git[:12]}" if mixed and "# train_gpt.py" not in c
+                     else c for c in r["commands"]]
     phases = {name: phases[name] for name in PHASES if name in phases}
     merged = build_report(phases, commands, any(r.get("cpu_smoke") for r in reports))
     for r in reports:   # meta of a report whose env phase was not merged in

@@ -51,7 +51,10 @@ def kernel_category(name):
     """Coarse families of device kernels, by the names CUDA libraries, inductor and ATen give them."""
     if "flex_attention" in name:
         return "FlexAttention"
-    if name.startswith(("nvjet", "sm90_", "sm80_", "cutlass", "ampere_", "cublas")) or "gemm" in name.lower():
+    if name.startswith(("_gram_kernel", "_sym_poly_kernel", "_poly_apply_kernel")):
+        return "orthogonalization (Triton)"
+    if name.removeprefix("void ").startswith(("nvjet", "sm90_", "sm80_", "cutlass", "ampere_", "cublas")) \
+            or "gemm" in name.lower():
         return "GEMM (cuBLAS/CUTLASS)"
     if name.startswith("triton_"):
         return "inductor kernels"

@@ -277,7 +277,8 @@ def test_fp8_op_bodies_are_captured_once(monkeypatch):
     """On CUDA each FP8 op body is compiled on its own. AOT autograd runs a compiled graph's first
     call under a dispatch mode (its custom-op aliasing check) that changes the dispatch keys the
     body's guards see, and the forward body was captured again at the compiled head's second call
-    (bench/gpu_proof.py on an H100: new_graphs_round2 = 2 with the casts compiled, 1 since). CPU
+    (bench/gpu_proof.py on an H100 at 918c1b4: new_graphs_round2 = 2, with three casts compiled;
+    reproduced on CPU, where the two bodies of now give 3, 4, 4 graphs without the fix). CPU
     runs the bodies eager, so they are compiled here as on CUDA (graph capture only)."""
     import torch._dynamo
     from torch._dynamo.utils import counters

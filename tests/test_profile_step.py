@@ -86,3 +86,12 @@ def test_profiles_another_script_by_its_optimizer_steps(tmp_path):
     missing = subprocess.run([sys.executable, str(ROOT / "bench" / "profile_step.py"), "--out", str(tmp_path / "x"),
                               "--script", str(tmp_path / "none.py")], capture_output=True, text=True, timeout=60)
     assert missing.returncode == 2 and "--script" in missing.stderr and "no such file" in missing.stderr
+
+
+def test_kernel_families_by_name():
+    family = profile_step.kernel_category
+    assert family("_poly_apply_kernel") == "orthogonalization (Triton)"
+    assert family("void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm>") == "GEMM (cuBLAS/CUTLASS)"
+    assert family("void cublasLt::splitKreduce_kernel<32, 16>") == "GEMM (cuBLAS/CUTLASS)"
+    assert family("triton_red_fused__log_softmax_1") == "inductor kernels"
+    assert family("ncclDevKernel_AllGather_RING_LL") == "NCCL"
