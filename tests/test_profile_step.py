@@ -12,16 +12,20 @@ sys.path.insert(0, str(ROOT))
 from bench import profile_step  # noqa: E402
 
 
+def profile(out, *args, timeout=300):
+    """Run bench/profile_step.py --out OUT ARGS; its table once it succeeded."""
+    result = subprocess.run([sys.executable, str(ROOT / "bench" / "profile_step.py"), "--out", str(out), *args],
+                            capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result.stdout, (out / "kernels.txt").read_text()
+
+
 def test_profiles_the_asked_steps_of_a_cpu_run(tmp_path):
     out = tmp_path / "prof"
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "profile_step.py"), "--out", str(out), "--steps", "1:2", "--",
-         "--preset", "cpu", "--num_iterations", "3", "--num_layers", "2", "--window_pattern", "LL",
-         "--attention_free_layers", "", "--num_value_embeds", "1", "--log_dir", str(tmp_path / "logs")],
-        capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert "steps 2..2 written" in result.stdout
-    table = (out / "kernels.txt").read_text()
+    stdout, table = profile(out, "--steps", "1:2", "--", "--preset", "cpu", "--num_iterations", "3",
+                            "--num_layers", "2", "--window_pattern", "LL", "--attention_free_layers", "",
+                            "--num_value_embeds", "1", "--log_dir", str(tmp_path / "logs"))
+    assert "steps 2..2 written" in stdout
     assert "aten::mm" in table and "# of Calls" in table
     trace = json.load(gzip.open(out / "trace.json.gz"))
     assert any(e.get("name") == "aten::mm" for e in trace["traceEvents"])
@@ -71,12 +75,8 @@ def test_profiles_another_script_by_its_optimizer_steps(tmp_path):
         "        opt.step()\n"
         "    model.zero_grad()\n")
     out = tmp_path / "prof"
-    result = subprocess.run([sys.executable, str(ROOT / "bench" / "profile_step.py"), "--out", str(out),
-                             "--steps", "1:3", "--script", str(script), "--", "--flag", "7"],
-                            capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert "steps 2..3 written" in result.stdout
-    table = (out / "kernels.txt").read_text()
+    stdout, table = profile(out, "--steps", "1:3", "--script", str(script), "--", "--flag", "7", timeout=120)
+    assert "steps 2..3 written" in stdout
     assert "aten::addmm" in table or "aten::linear" in table
     # both optimizers stepped inside the window (2 steps x 1 each), the first one alone counted
     trace = json.load(gzip.open(out / "trace.json.gz"))
