@@ -240,7 +240,7 @@ def test_merge_names_each_commands_code_when_a_fix_came_between(tmp_path):
     assert same["commands"] == ["cmd1", "cmd2"] and same["meta"]["train_gpt_sha256"] == "b" * 64
 
 
-def test_orthogonalize_check_stacks_tiny_matrices_enough_to_be_stable():
+def test_orthogonalize_check_stacks_tiny_matrices_enough_to_be_stable(monkeypatch):
     """The correct phase bounds Triton's aol error by 1.5x the twin's. The two differ only in the
     Schur row sums (the kernel's from the fp32 Gram, the twin's from the bf16-rounded one); on
     6x12 matrices that alone swings single draws of four past 1.5x, so the check stacks enough
@@ -255,12 +255,9 @@ def test_orthogonalize_check_stacks_tiny_matrices_enough_to_be_stable():
         ref = tg.orthogonalize_torch(G.double(), "aol")
         twin = tg.orthogonalize_torch(G, "aol", round_through=torch.bfloat16)
         fp32_sums = (G @ G.mT).abs().sum(-1)
-        original = tg._row_abs_sum
-        try:
-            tg._row_abs_sum = lambda A: fp32_sums
+        with monkeypatch.context() as patch:
+            patch.setattr(tg, "_row_abs_sum", lambda A: fp32_sums)
             kernel_like = tg.orthogonalize_torch(G, "aol", round_through=torch.bfloat16)
-        finally:
-            tg._row_abs_sum = original
         err = lambda out: float((out.double() - ref).norm() / ref.norm())  # noqa: E731
         assert not torch.equal(kernel_like, twin)  # the row sums do differ
         ratios.append(err(kernel_like) / err(twin))
