@@ -149,13 +149,15 @@ def derive_schedule(lower: float, steps: int, safety: float = 1.02, cushion: flo
 
 
 def singular_value_interval(schedule, lower: float, upper: float = 1.0):
-    """The guaranteed image of [lower, upper] after each step, as the greedy composition
-    tracks it: [(l_1, u_1), ...]. Only meaningful for schedules built on that interval without
-    cap_final (a capped last step ends in [l, 1], not [l, 2 - l])."""
+    """The exact image of [lower, upper] after each step: [(l_1, u_1), ...]. Each step's image
+    is its quintic's minimum and maximum over the endpoints and the interior critical points,
+    so it holds for any table, capped last step included (derive_schedule's own update,
+    [p(l), 2 - p(l)], is the Polar Express rule it must keep to reproduce their table, and is
+    looser: it assumes the interval's ends and extremes are symmetric about 1)."""
     bounds = []
     for coeffs in schedule:
-        lower = _quintic(coeffs, lower)
-        upper = 2 - lower
+        values = _quintic(coeffs, np.array([lower, upper, *_interior_extrema(coeffs, lower, upper)]))
+        lower, upper = float(values.min()), float(values.max())
         bounds.append((lower, upper))
     return bounds
 

@@ -263,14 +263,14 @@ def test_bad_arguments_fail_before_work(tmp_path, gpt2):
 def test_raw_fineweb_reader_streams_parquet_and_deletes_it(tmp_path, gpt2, monkeypatch):
     """The raw-FineWeb path with the Hub replaced by local parquet files (pyarrow needed)."""
     pyarrow = pytest.importorskip("pyarrow")
-    import pyarrow.parquet
+    parquet = pytest.importorskip("pyarrow.parquet")
     huggingface_hub = pytest.importorskip("huggingface_hub")
     hub = tmp_path / "hub"
     files = {"sample/10BT/000_00000.parquet": DOCS[:3], "sample/10BT/001_00000.parquet": DOCS[3:]}
     for repo_path, docs in files.items():
         (hub / repo_path).parent.mkdir(parents=True, exist_ok=True)
         table = pyarrow.table({"text": docs, "id": [str(i) for i in range(len(docs))]})
-        pyarrow.parquet.write_table(table, hub / repo_path, row_group_size=2)
+        parquet.write_table(table, hub / repo_path, row_group_size=2)
 
     def fake_download(repo_id, filename, repo_type, local_dir):
         assert (repo_id, repo_type) == (fineweb.FINEWEB_REPO, "dataset")

@@ -62,6 +62,21 @@ def test_schedule_maps_its_interval_into_the_predicted_band():
     assert final_high - final_low < 0.05
 
 
+@pytest.mark.parametrize("cap_final, final_low", [(False, 0.4245), (True, 0.2694)], ids=["plain", "capped"])
+def test_singular_value_interval_is_the_exact_image(cap_final, final_low):
+    """Each step's tracked interval is the image of the previous one: a dense grid pushed
+    through the table reaches both ends and never leaves them. A capped table ends at 1, not
+    at 2 - p(l) as the Polar Express interval rule would say."""
+    lower = 1e-3
+    schedule = derive_schedule(lower, 4, cap_final=cap_final)
+    x = np.concatenate([np.geomspace(lower, 1.0, 400001), np.linspace(lower, 1.0, 400001)])
+    for (a, b, c), (low, high) in zip(schedule, singular_value_interval(schedule, lower)):
+        x = a * x + b * x**3 + c * x**5
+        assert low - 1e-12 <= x.min() <= low + 1e-9 and high - 1e-7 <= x.max() <= high + 1e-12
+    assert (high == pytest.approx(1.0, abs=1e-9)) == cap_final
+    assert low == pytest.approx(final_low, abs=1e-4)
+
+
 @pytest.mark.parametrize("lower, steps", [(1e-3, 5), (0.01, 4), (0.05, 3)])
 def test_cap_final_ends_at_or_below_one(lower, steps):
     """cap_final changes only the last step, by one factor, so that the composed map's largest
