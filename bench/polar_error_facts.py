@@ -1,6 +1,7 @@
-"""Reproduce the polar errors quoted in SPEEDRUN_FACTS.md (Gaussian 768x3072).
+"""Reproduce published polar errors of orthogonalizers on Gaussian 768x3072 matrices.
 
-Facts: NS5 0.162, PE5 0.096, AOL+PE(2-5) 0.096, AOL+Dion(2-5) 0.018, measured in
+The figures this project was given (its fact sheet, ../shared/SPEEDRUN_FACTS.md, which is not
+part of the repository): NS5 0.162, PE5 0.096, AOL+PE(2-5) 0.096, AOL+Dion(2-5) 0.018, measured in
 fp64 and in emulated bf16. Prints both precisions next to the quoted values.
 Takes about a minute per matrix on a 2-core CPU (the fp64 SVD dominates).
 

@@ -171,7 +171,7 @@ def test_a_checkpoint_of_another_configuration_is_refused(single, tmp_path, caps
     # files that are not checkpoints
     (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
     torch.save({"weights": torch.zeros(2)}, tmp_path / "other.pt")
-    for name, message in [("junk.pt", "not a readable checkpoint"), ("other.pt", "not a checkpoint written by"),
+    for name, message in [("junk.pt", "not a checkpoint written by train_gpt.py, or a damaged one (torch.load: "), ("other.pt", "not a checkpoint written by"),
                           ("missing.pt", "no such file")]:
         assert train_gpt.main(argv + [f"--resume={tmp_path / name}", f"--log_dir={logs}"], {}) == 2
         err = capsys.readouterr().err

@@ -122,6 +122,14 @@ def test_help_shows_the_active_values_descriptions_and_choices():
     assert any(line.startswith("  --num_layers=12 ") for line in speedrun)
 
 
+def test_help_says_when_the_cpu_preset_reads_the_embedded_sample(monkeypatch):
+    monkeypatch.setattr(train_gpt, "REPO_DIR", "/nonexistent")  # no FineWeb there
+    note = "No FineWeb shards in /nonexistent/data/fineweb10B: this run reads the embedded sample, "
+    assert help_text(["--help", "--preset", "cpu"])[-1].startswith(note)
+    for argv in (["--train_files", "x"], ["--val_files", "x"], ["--preset", "speedrun"]):
+        assert not any(line.startswith("No FineWeb") for line in help_text(["--help", "--preset", "cpu", *argv]))
+
+
 def test_script_help_exits_0(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "train_gpt.py"), "--preset", "cpu", "--help"], cwd=tmp_path,
                           capture_output=True, text=True, timeout=120)

@@ -73,15 +73,42 @@ def test_diverged_run_exits_4_with_one_line_and_a_complete_log(tmp_path, make_sh
     assert signal.getsignal(signal.SIGINT) is handler_before  # main() put the caller's handler back
 
 
+def test_exception_late_in_training_ends_in_one_line_and_a_complete_log(tmp_path, make_shards, monkeypatch, capsys):
+    """Out of memory at step 4 (or a lost rank, or a bug in a fork): the log keeps the traceback and
+    ends like every other stopped run; the console gets one line."""
+    train_glob, val_glob, _ = make_shards()
+    log_dir = tmp_path / "records"
+    schedule = train_gpt.lr_factor_at
+
+    def out_of_memory_at_step_4(step, args):
+        if step == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.\nMore details")
+        return schedule(step, args)
+    monkeypatch.setattr(train_gpt, "lr_factor_at", out_of_memory_at_step_4)
+    argv = tiny_argv(train_files=train_glob, val_files=val_glob, log_dir=log_dir, num_iterations=20, val_every=0)
+    assert train_gpt.main(argv, {}) == train_gpt.EXIT_ERROR
+    log = only_log(log_dir)
+    body = log.splitlines()
+    assert body[-3] == "More details"  # the end of the traceback
+    assert "step:3/20 train_time" in log and "step:4/20" not in log
+    assert body[-2] == "failed at step 3/20: OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB."
+    assert PEAK.match(body[-1])
+    assert "Traceback (most recent call last)" in log and "More details" in log
+    out, err = capsys.readouterr()
+    path = next(log_dir.glob("*/*.txt"))
+    assert err == f"train_gpt.py: error: {body[-2]} (traceback in {path})\n"
+    assert out.splitlines()[-1] == body[-1] and "Traceback" not in out
+
+
 # ------------------------------------------------------------------------------ signals
 
-def start(tmp_path, argv, launcher=()):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-        env.pop(name, None)
+def start(tmp_path, argv, command=(sys.executable, str(ROOT / "train_gpt.py")), **variables):
+    launch_variables = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NPROC", "MICRO_BATCHES")
+    env = {k: v for k, v in os.environ.items() if k not in launch_variables}
+    env.update(OMP_NUM_THREADS="1", PYTHON=sys.executable, **variables)
     # a session of its own: killpg reaches every process, as Ctrl-C in a terminal does
-    return subprocess.Popen([sys.executable, *launcher, str(ROOT / "train_gpt.py"), *argv], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return subprocess.Popen([*command, *argv], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
 def wait_for_line(proc, pattern, timeout=120):
@@ -120,23 +147,45 @@ def test_signal_ends_the_run_with_one_line(tmp_path, make_shards, signum, wait_f
     assert only_log(log_dir).splitlines()[-2:] == last
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="run.sh starts one process per GPU there")
 def test_interrupting_a_torchrun_group_stops_every_rank_at_the_same_step(tmp_path, make_shards):
     train_glob, val_glob, _ = make_shards()
     log_dir = tmp_path / "records"
     proc = start(tmp_path, tiny_argv(train_files=train_glob, val_files=val_glob, log_dir=log_dir, micro_batches=2,
                                      num_iterations=1000, val_every=0, check_every=2, dist_timeout_s=30),
-                 launcher=("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"))
+                 command=(str(ROOT / "run.sh"),), NPROC="2")
     wait_for_line(proc, r"^step:2/1000 train_time")
     os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the terminal signals torchrun and both ranks
     out, err = proc.communicate(timeout=60)
-    # torchrun itself reports the Ctrl-C with a traceback of its own; the ranks print none and none
-    # is left running (torchrun would SIGKILL a rank that ignored the signal for 30 s)
-    assert "train_gpt.py" not in err and "KeyboardInterrupt" not in err and "Signals.SIGKILL" not in err, err[-3000:]
+    # as one process: status 130, no traceback (torchrun's own is caught by run.sh), and none is
+    # left running (torchrun would SIGKILL a rank that ignored the signal for 30 s)
+    assert proc.returncode == 130 and err == "", err[-3000:]
     with pytest.raises(ProcessLookupError):
         os.killpg(proc.pid, 0)
     last = only_log(log_dir).splitlines()[-2:]
     assert re.fullmatch(r"interrupted at step \d*[02468]/1000 \(SIGINT\)", last[0]) and PEAK.match(last[1])
-    assert "interrupted at step" in out
+    assert out.strip().splitlines()[-2:] == last
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="run.sh starts one process per GPU there")
+def test_rank_killed_by_a_signal_is_named_in_one_line(tmp_path, make_shards):
+    """A rank the kernel kills (the OOM killer's SIGKILL) cannot say why itself: run.sh does."""
+    train_glob, val_glob, _ = make_shards()
+    proc = start(tmp_path, tiny_argv(train_files=train_glob, val_files=val_glob, log_dir=tmp_path / "records",
+                                     micro_batches=2, num_iterations=1000, val_every=0, dist_timeout_s=30),
+                 command=(str(ROOT / "run.sh"),), NPROC="2")
+    wait_for_line(proc, r"^step:2/1000 train_time")
+    ranks = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    assert len(ranks) == 2, ranks
+    os.kill(int(max(ranks, key=int)), signal.SIGKILL)  # rank 1, started second
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    # rank 0 may first find its partner gone (one line of its own), or be stopped by torchrun
+    *before, last = err.strip().splitlines()
+    assert re.fullmatch(r"run\.sh: rank 1 was killed by SIGKILL \(out of memory\?\)", last), err[-3000:]
+    assert all(line.startswith("train_gpt.py: error: rank 0: failed at step ") for line in before), err[-3000:]
+    body = only_log(tmp_path / "records").splitlines()
+    assert re.match(r"(rank 0: failed|interrupted) at step \d+/1000", body[-2]) and PEAK.match(body[-1]), body[-3:]
 
 
 # ------------------------------------------------------------------------------ log directory and disk

@@ -3,6 +3,9 @@ shard, shard tails dropped), ranks never overlap and together see exactly what o
 see, running out of data and bad files give clear errors; the trainer's shard reader agrees with
 data/shards.py."""
 
+import glob
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -181,6 +184,19 @@ def test_out_of_range_token_is_reported(tmp_path):
 def test_missing_shards_name_the_pattern(tmp_path):
     with pytest.raises(train_gpt.DataError, match="no training shards match"):
         train_gpt.find_shards(str(tmp_path / "nothing_*.bin"), "training")
+
+
+@pytest.mark.skipif(bool(glob.glob(os.path.join(train_gpt.REPO_DIR, train_gpt.FINEWEB_FILES[0]))),
+                    reason="FineWeb is downloaded here")
+def test_one_data_option_given_keeps_the_other_default_in_the_repository(tmp_path, make_shards, monkeypatch):
+    """--val_files alone: no fallback to the sample (that needs both unset), and the default training
+    path is the repository's, not the working directory's."""
+    _, val_glob, _ = make_shards()
+    monkeypatch.chdir(tmp_path)
+    args = train_gpt.parse_config(["--preset", "cpu", f"--val_files={val_glob}"], {}, 1)
+    with pytest.raises(train_gpt.DataError) as err:
+        train_gpt.resolve_data_files(args)
+    assert str(err.value).startswith(os.path.join(train_gpt.REPO_DIR, train_gpt.FINEWEB_FILES[0]) + ": no training")
 
 
 def test_next_shard_is_read_by_a_background_thread(make_shards, monkeypatch):
