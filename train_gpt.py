@@ -188,16 +188,12 @@ def trains_on_sample(args):
     return (args.preset == "cpu" and (args.train_files, args.val_files) == FINEWEB_FILES
             and not all(glob.glob(os.path.join(REPO_DIR, p)) for p in FINEWEB_FILES))
 
+
 NS_METHODS = ("newton_schulz", "polar_express", "aol")
 NS_BACKENDS = ("torch", "triton")
-# How each orthogonalized matrix update is scaled: the record's shape factor with muon_lr, or
-# Moonlight's (Liu et al. 2025), which gives the update AdamW's typical RMS (about 0.2) so that
-# Muon can share adam_lr.
-MUON_UPDATE_SCALES = ("record", "moonlight")
-MATRIX_OPTIMIZERS = ("muon", "adam")
 # Fields that take one of a fixed set of values (booleans aside); check_config and --help read this.
 CHOICES = dict(preset=tuple(PRESETS), ns_method=NS_METHODS, ns_backend=("auto",) + NS_BACKENDS,
-               muon_update_scale=MUON_UPDATE_SCALES, matrix_optimizer=MATRIX_OPTIMIZERS, device=("auto", "cpu", "cuda"))
+               muon_update_scale=("record", "moonlight"), matrix_optimizer=("muon", "adam"), device=("auto", "cpu", "cuda"))
 
 
 class ConfigError(ValueError):
@@ -278,7 +274,7 @@ def parse_config(argv, environ, world_size=1, cuda_available=None):
             values[name] = _parse_value(name, environ[name.upper()], kind)
     args = Hyperparameters(**values)
     if help_requested:  # after the overrides, so the help shows the values this run would use
-        raise HelpRequested(config_help(args))
+        raise HelpRequested(config_help(args, cuda_available))
     check_config(args, world_size, cuda_available)
     return args
 
@@ -296,11 +292,11 @@ def field_descriptions():
     return descriptions
 
 
-def config_help(args):
+def config_help(args, cuda_available):
     descriptions = field_descriptions()
     lines = ["usage: train_gpt.py [--field value ...]   (or FIELD=value in the environment)",
              f"Values are those of the {args.preset} preset with this environment and command line; "
-             f"presets: {', '.join(PRESETS)} (--preset, default {'speedrun' if torch.cuda.is_available() else 'cpu'} "
+             f"presets: {', '.join(PRESETS)} (--preset, default {'speedrun' if cuda_available else 'cpu'} "
              "on this machine).", ""]
     settings = [(f"--{f.name}={getattr(args, f.name)}", f) for f in dataclasses.fields(Hyperparameters)]
     width = max(len(setting) for setting, _ in settings) + 2
@@ -367,7 +363,7 @@ def check_config(args, world_size, cuda_available):
     for name in positive:
         need(getattr(args, name) > 0, f"--{name}={getattr(args, name)}: must be positive")
     for name in ["val_every", "warmup_steps", "threads", "num_value_embeds", "muon_momentum_warmup_steps",
-                 "weight_decay", "adam_eps"]:
+                 "weight_decay", "adam_eps", "checkpoint_every", "max_new_tokens", "temperature", "top_k"]:
         need(getattr(args, name) >= 0, f"--{name}={getattr(args, name)}: must not be negative")
     for name in ["cooldown_frac", "final_lr_frac"]:
         value = getattr(args, name)
@@ -423,7 +419,8 @@ def check_config(args, world_size, cuda_available):
     need(args.ns_backend != "triton" or triton is not None, "--ns_backend=triton: triton is not installed")
     need(args.ns_backend != "triton" or uses_cuda or os.environ.get("TRITON_INTERPRET") == "1",
          "--ns_backend=triton: needs a CUDA device (or TRITON_INTERPRET=1 for tests)")
-    check_checkpoint_options(args)
+    need(not args.checkpoint_every or args.save_checkpoint,
+         f"--checkpoint_every={args.checkpoint_every}: needs --save_checkpoint true")
 
 
 # -----------------------------------------------------------------------------------------------
@@ -545,8 +542,7 @@ def init_process_group(args, ranks, hw):
 
 def run_fingerprint(args):
     """A hash of this file's source and the configuration: ranks that disagree would deadlock later."""
-    digest = hashlib.sha256(open(__file__, "rb").read())
-    digest.update(repr(sorted(dataclasses.asdict(args).items())).encode())
+    digest = hashlib.sha256((code_fingerprint() + repr(sorted(dataclasses.asdict(args).items()))).encode())
     return int.from_bytes(digest.digest()[:7], "little")  # fits in int64
 
 
@@ -670,12 +666,7 @@ FROBENIUS_OFFSET = {"polar_express": 1e-6, "newton_schulz": 1e-7}
 
 
 def default_coeffs(method: str) -> list:
-    _check_choice("method", method, NS_METHODS)
-    if method == "aol":
-        return AOL_COEFFS
-    if method == "polar_express":
-        return POLAR_EXPRESS_COEFFS
-    return NEWTON_SCHULZ_COEFFS
+    return dict(newton_schulz=NEWTON_SCHULZ_COEFFS, polar_express=POLAR_EXPRESS_COEFFS, aol=AOL_COEFFS)[method]
 
 
 def _resolve_coeffs(method: str, coeffs: list | None) -> list:
@@ -787,7 +778,6 @@ def orthogonalize(G: torch.Tensor, method: str = "newton_schulz", backend: str =
 
     coeffs overrides the method's (a, b, c) table (one tuple per step).
     """
-    _check_choice("method", method, NS_METHODS)
     _check_choice("backend", backend, NS_BACKENDS)
     if backend == "triton":
         return orthogonalize_triton(G, method, coeffs)
@@ -1139,7 +1129,7 @@ class MatrixSlot:
     @property
     def lr_scale(self):
         rows, cols = self.spec.param.shape[-2:]
-        if self.update_scale == "moonlight":
+        if self.update_scale == "moonlight":  # Liu et al. 2025: AdamW's typical update RMS, so Muon shares adam_lr
             return 0.2 * max(rows, cols) ** 0.5 * self.spec.lr_mult
         return max(1.0, rows / cols) ** 0.5 * self.spec.lr_mult
 
@@ -1245,9 +1235,9 @@ class ShardedMuonAdam:
             buckets = [MuonBucket(shape_slots[i:i + bucket_size], W) for i in range(0, len(shape_slots), bucket_size)]
             owned = sum(b.per_rank for b in buckets)
             padded = sum(b.padded for b in buckets)
-            group = dict(shape=shape, buckets=buckets,
-                         grad_stack=torch.zeros(padded, *shape, device=device),  # zero rows stay zero: padding
-                         reduced=torch.empty(owned, *shape, device=device) if W > 1 else None,
+            grad_stack = torch.zeros(padded, *shape, device=device)  # zero rows stay zero: padding
+            group = dict(shape=shape, buckets=buckets, grad_stack=grad_stack,
+                         reduced=torch.empty(owned, *shape, device=device) if W > 1 else grad_stack,
                          param_stack=torch.empty(padded, *shape, device=device) if W > 1 else None,
                          momentum=torch.zeros(owned, *shape, device=device),
                          second_moment=torch.zeros(owned, 1, shape[1], device=device) if args.normuon else None,
@@ -1255,11 +1245,9 @@ class ShardedMuonAdam:
             start = local = 0
             for b in buckets:  # each bucket works on its own slice of the group's tensors
                 b.grad_stack = group["grad_stack"][start:start + b.padded]
-                b.reduced = group["reduced"][local:local + b.per_rank] if W > 1 else b.grad_stack
+                b.reduced = group["reduced"][local:local + b.per_rank]
                 b.param_stack = group["param_stack"][start:start + b.padded] if W > 1 else None
                 start, local = start + b.padded, local + b.per_rank
-            # this rank's share of the group, in bucket order: at world size 1, all of it
-            group["local_grads"] = group["reduced"] if W > 1 else group["grad_stack"]
             group["owned"] = self._owned_slots(group)
             group["real"] = [i for i, slot in enumerate(group["owned"]) if slot is not None]
             # Made once: a host-to-device copy each step would make the host wait for the GPU.
@@ -1292,10 +1280,9 @@ class ShardedMuonAdam:
         for unit in self.units:
             for p in unit.params:
                 self._units_of.setdefault(id(p), []).append(unit)
-        self._hooks = []
         if args.overlap_comms:
             for s in specs:
-                self._hooks.append(s.param.register_post_accumulate_grad_hook(self._on_grad_final))
+                s.param.register_post_accumulate_grad_hook(self._on_grad_final)
 
     # -- state ------------------------------------------------------------------------------------
     def state_tensors(self):
@@ -1462,7 +1449,7 @@ class ShardedMuonAdam:
                 b.stack_grads()
             else:
                 self.comm.wait(b.work)
-        grads = self._unaccumulate(group["local_grads"])
+        grads = self._unaccumulate(group["reduced"])  # this rank's share, in bucket order
         mine = group["owned"]
         momentum = group["momentum"]
         mu = self.muon_momentum
@@ -1496,8 +1483,6 @@ class ShardedMuonAdam:
 
     def _owned_slots(self, group):
         """The slots this rank updates, in local order (None for zero padding)."""
-        if self.world_size == 1:
-            return [slot for b in group["buckets"] for slot in b.slots]
         mine = []
         for b in group["buckets"]:
             for i in range(self.rank * b.per_rank, (self.rank + 1) * b.per_rank):
@@ -1855,7 +1840,7 @@ def register_fp8_ops():
 def fp8_matmul(x, w, x_scale, w_scale, grad_scale):
     """x @ w.T in bf16 through float8 operands; x (T, in) bf16 contiguous, w (out, in) fp32.
     Differentiable in x (bf16 gradient) and w (fp32 gradient)."""
-    if not torch.compiler.is_compiling():  # compiled code runs after an eager warmup call has registered them
+    if not torch.compiler.is_compiling():  # GPT() registers them too; not traceable
         register_fp8_ops()
     return torch.ops.train_gpt.fp8_mm(x, w, x_scale, w_scale, grad_scale)[0]
 
@@ -1902,9 +1887,7 @@ class GPT(nn.Module):
         # embedding or not, long or short window, block 0 where x is x0, training or validation):
         # about 12 for the speedrun, more than dynamo's default of 8 before it falls back to eager.
         import torch._dynamo
-        config = torch._dynamo.config
-        name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # older torch
-        setattr(config, name, max(getattr(config, name), 64))
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         for block in self.blocks:
             block.compile(dynamic=False, backend=backend)
         self.head = torch.compile(self.head, dynamic=False, backend=backend)
@@ -2050,7 +2033,9 @@ def read_shard_tokens(path, vocab_size=GPT2_VOCAB_SIZE, max_tokens=None):
         raise DataError(f"{path}: cannot read ({e.strerror or e})") from None
     if tokens.size != count:  # the file shrank while we were reading it
         raise DataError(f"{path}: truncated: read {tokens.size} of {count} tokens")
-    _check_token_range(path, tokens, vocab_size)
+    if tokens.size and int(tokens.max()) >= vocab_size:
+        bad = int(np.argmax(tokens >= vocab_size))
+        raise DataError(f"{path}: token {int(tokens[bad])} at index {bad} is >= vocab size {vocab_size}")
     return tokens
 
 
@@ -2063,22 +2048,11 @@ def load_shard(path, vocab_size, max_tokens=None, pin_memory=False):
     return out
 
 
-def _check_token_range(path, tokens, vocab_size, offset=0):
-    if tokens.size and int(tokens.max()) >= vocab_size:
-        bad = int(np.argmax(tokens >= vocab_size))
-        raise DataError(f"{path}: token {int(tokens[bad])} at index {offset + bad} is >= vocab size {vocab_size}")
-
-
-def check_shard_tokens(paths, vocab_size, chunk=1 << 24):
+def check_shard_tokens(paths, vocab_size):
     """Every token of every shard a GPT-2 token (see load_shard): checked before training starts,
-    so a bad shard late in the list cannot end a run hours in. Reads in chunks, keeps nothing."""
+    so a bad shard late in the list cannot end a run hours in. Keeps nothing."""
     for path in paths:
-        count = read_shard_header(path)
-        if count == 0:
-            continue
-        tokens = np.memmap(path, dtype="<u2", mode="r", offset=SHARD_HEADER_BYTES, shape=(count,))
-        for start in range(0, count, chunk):
-            _check_token_range(path, tokens[start:start + chunk], min(vocab_size, GPT2_VOCAB_SIZE), start)
+        read_shard_tokens(path, min(vocab_size, GPT2_VOCAB_SIZE))
 
 
 def find_shards(pattern, what):
@@ -2220,12 +2194,11 @@ def resolve_data_files(args):
     embedded sample when neither is given and the FineWeb shards are not there."""
     given = (args.train_files, args.val_files)
     train, val = (os.path.join(REPO_DIR, p) if p == default else p for p, default in zip(given, FINEWEB_FILES))
+    note = f"data: training on {train}, validating on {val}"
     if trains_on_sample(args):
         train, val = (os.path.join(REPO_DIR, p) for p in SAMPLE_FILES)
         note = ("data: no FineWeb shards in data/fineweb10B/; training on the embedded sample in data/sample/ "
                 "(CPython documentation text, see data/sample/MANIFEST.json)")
-        return find_shards(train, "training"), find_shards(val, "validation"), note
-    note = f"data: training on {train}, validating on {val}"
     return find_shards(train, "training"), find_shards(val, "validation"), note
 
 
@@ -2260,10 +2233,8 @@ class RunLog:
 
     def __init__(self, args, ranks, echo=True):
         self.echo = echo and ranks.is_master
-        self.path = None
+        self.path = os.path.join(run_folder(args), f"{uuid.uuid4()}.txt") if ranks.is_master else None
         self.error = None
-        if ranks.is_master:
-            self.path = os.path.join(run_folder(args), f"{uuid.uuid4()}.txt")
         self.started = False
 
     def __call__(self, text, console=True):
@@ -2283,9 +2254,7 @@ class RunLog:
     def _append(self, text):
         if not self.started:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
-            with open(self.path, "x"):  # 'x': fail rather than overwrite an existing log
-                pass
-        with open(self.path, "a") as f:
+        with open(self.path, "a" if self.started else "x") as f:  # 'x': fail rather than overwrite a log
             f.write(text + "\n")
 
 
@@ -2310,8 +2279,9 @@ def shown_paths(paths):
                     for p in paths)
 
 
-def log_header(log, args, ranks, hw, model, optimizer, data_note, data_files=None):
-    log(open(__file__).read(), console=False)
+def log_header(log, args, ranks, hw, model, optimizer, data_note, data_files):
+    with open(__file__) as source:
+        log(source.read(), console=False)
     log("=" * 100, console=False)
     log(f"Running Python {sys.version}", console=False)
     cuda = f"compiled for CUDA {torch.version.cuda}" if torch.version.cuda else "(CPU build)"
@@ -2319,7 +2289,7 @@ def log_header(log, args, ranks, hw, model, optimizer, data_note, data_files=Non
     log(f"Running Triton version {triton.__version__ if triton else 'not installed'}", console=False)
     log(hardware_description(hw), console=False)
     # train_files/val_files name the shards actually read (the cpu preset may fall back to the sample)
-    shown = dict(zip(("train_files", "val_files"), map(shown_paths, data_files))) if data_files else {}
+    shown = dict(zip(("train_files", "val_files"), map(shown_paths, data_files)))
     for f in dataclasses.fields(args):
         log(f"{f.name}={shown.get(f.name, getattr(args, f.name))}", console=False)
     # What this machine made of the configuration, in the same key=value form.
@@ -2334,8 +2304,7 @@ def log_header(log, args, ranks, hw, model, optimizer, data_note, data_files=Non
     log("=" * 100, console=False)
     for spec in optimizer.specs:
         log(f"{spec.name}: {tuple(spec.param.shape)} {spec.optimizer} {spec.group} lr_mult={spec.lr_mult}", console=False)
-    if data_note:
-        log(data_note)
+    log(data_note)
 
 
 @dataclass
@@ -2394,11 +2363,6 @@ def peak_memory_line(hw):
                 f"reserved: {torch.cuda.max_memory_reserved(hw.device) // 1024 // 1024} MiB")
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024  # CPU: the process's peak RSS
     return f"peak memory allocated: {peak_rss} MiB reserved: {peak_rss} MiB"
-
-
-def log_error(log):
-    """The log's failed write, if any (tests log to plain functions, which never fail)."""
-    return getattr(log, "error", None)
 
 
 def synchronize(hw):
@@ -2478,11 +2442,11 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
             tokens = tokens.to(hw.device)
             return tokens[:-1], tokens[1:]
         for step in range(args.warmup_steps):
-            train_step(step * args.num_iterations // max(args.warmup_steps, 1), random_batch)
+            train_step(step * args.num_iterations // args.warmup_steps, random_batch)
         with torch.no_grad():
             model.eval()
-            val_window = val_tokens[:args.val_seq_len + 1].to(hw.device).to(torch.int64)
-            model(val_window[:-1], val_window[1:], window_sizes[long_window_blocks_at(0, args)])
+            inputs, targets = next(val_batches(val_tokens, args.val_seq_len, 0, 1, hw.device))
+            model(inputs, targets, window_sizes[long_window_blocks_at(0, args)])
             model.train()
         model.load_state_dict(initial_params)
         optimizer.reset_state()
@@ -2498,7 +2462,8 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
         Reads the losses since the last check in one transfer (the only host-GPU sync it costs)."""
         nonlocal checked
         recent = step_losses[checked:]
-        flags = [stop.signum == signal.SIGINT, stop.signum == signal.SIGTERM, log_error(log) is not None]
+        log_failure = getattr(log, "error", None)  # tests log to plain functions, which never fail
+        flags = [stop.signum == signal.SIGINT, stop.signum == signal.SIGTERM, log_failure is not None]
         values = torch.cat([torch.stack(recent).float() if recent else torch.zeros(0, device=hw.device),
                             torch.tensor(flags, dtype=torch.float32, device=hw.device)])
         if ranks.world_size > 1:
@@ -2512,7 +2477,7 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
             return (f"diverged at step {first_step + checked + bad[0] + 1}/{N}: train loss is {losses[bad[0]]} "
                     f"(stopped at step {step})", EXIT_DIVERGED)
         if log_failed:
-            return f"{log_error(log) or 'rank 0 cannot write the log'} at step {step}/{N}", EXIT_ERROR
+            return f"{log_failure or 'rank 0 cannot write the log'} at step {step}/{N}", EXIT_ERROR
         checked = len(step_losses)
         return None
 
@@ -2618,15 +2583,6 @@ class CheckpointError(RuntimeError):
     """A checkpoint of the same configuration that still does not fit (written by other code)."""
 
 
-def check_checkpoint_options(args):
-    if args.checkpoint_every and not args.save_checkpoint:
-        raise ConfigError(f"--checkpoint_every={args.checkpoint_every}: needs --save_checkpoint true")
-    for name, value in (("checkpoint_every", args.checkpoint_every), ("max_new_tokens", args.max_new_tokens),
-                        ("temperature", args.temperature), ("top_k", args.top_k)):
-        if value < 0:
-            raise ConfigError(f"--{name}={value}: must not be negative")
-
-
 def checkpoint_path_of(log):
     """records/<date>_<run_name>/<run_id>.pt beside the log (None on ranks other than 0)."""
     path = getattr(log, "path", None)
@@ -2634,7 +2590,8 @@ def checkpoint_path_of(log):
 
 
 def code_fingerprint():
-    return hashlib.sha256(open(__file__, "rb").read()).hexdigest()
+    with open(__file__, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
 
 
 def write_atomically(obj, path):
@@ -2846,9 +2803,10 @@ def main(argv=None, environ=None):
             print(f"train_gpt.py: error: {e}", file=sys.stderr)
         return EXIT_ERROR
     except Interrupted:  # before the training loop: nothing trained yet
-        report = log if log.started else functools.partial(print, flush=True)
-        report(f"interrupted at step 0/{args.num_iterations} ({signal.Signals(stop.signum).name})")
-        report(peak_memory_line(hw))
+        if log.started or ranks.local_rank == 0:  # one report per machine, as for a bad option
+            report = log if log.started else functools.partial(print, flush=True)
+            report(f"interrupted at step 0/{args.num_iterations} ({signal.Signals(stop.signum).name})")
+            report(peak_memory_line(hw))
         return 128 + stop.signum
     finally:
         if dist.is_initialized():

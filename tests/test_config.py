@@ -120,6 +120,7 @@ def test_help_shows_the_active_values_descriptions_and_choices():
     assert all(len(line.split(None, 2)) == 3 for line in fields.values())  # every field is described
     speedrun = help_text(["--help"], cuda=True)  # the default preset with CUDA
     assert any(line.startswith("  --num_layers=12 ") for line in speedrun)
+    assert "(--preset, default speedrun on this machine)" in speedrun[1]
 
 
 def test_help_says_when_the_cpu_preset_reads_the_embedded_sample(monkeypatch):

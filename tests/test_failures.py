@@ -168,6 +168,19 @@ def test_interrupting_a_torchrun_group_stops_every_rank_at_the_same_step(tmp_pat
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="run.sh starts one process per GPU there")
+def test_interrupting_a_torchrun_group_during_warmup_reports_once(tmp_path, make_shards):
+    train_glob, val_glob, _ = make_shards()
+    proc = start(tmp_path, tiny_argv(train_files=train_glob, val_files=val_glob, log_dir=tmp_path / "records",
+                                     micro_batches=2, warmup_steps=10_000, dist_timeout_s=30),
+                 command=(str(ROOT / "run.sh"),), NPROC="2")
+    wait_for_line(proc, r"^Compiling model and warming up kernels")
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and err == "", err[-3000:]
+    assert out.count("interrupted at step 0/") == 1 and out.count("peak memory") == 1, out[-2000:]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="run.sh starts one process per GPU there")
 def test_rank_killed_by_a_signal_is_named_in_one_line(tmp_path, make_shards):
     """A rank the kernel kills (the OOM killer's SIGKILL) cannot say why itself: run.sh does."""
     train_glob, val_glob, _ = make_shards()
