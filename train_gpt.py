@@ -638,15 +638,10 @@ POLAR_EXPRESS_COEFFS = [
     (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
 ]
 
-# Four steps after AOL, chosen by loss rather than by polar error: Polar Express's greedy
-# minimax composition (safety 1.02, cushion 0.02) for singular values in [1e-3, 1], its last
-# step scaled so that the output's largest singular value is 1, not 1 + E (cap_final in
-# bench/derive_aol_coeffs.py). Public Turbo-Muon code runs Polar Express steps 2-5 or the Dion
-# set instead. On held-out width-768 momentum (bench/aol_search.py, bf16 emulated) its polar
-# error is 0.64 (NS5 0.57, PE5 0.46) and its update RMS 0.56 of the polar factor's (NS5 0.68);
-# in the cpu-preset A/B over 8 seeds it was not worse than NS5 in final loss (-0.015, p = 0.17)
-# where the uncapped table for [3.2e-3, 1], better by polar error, was worse by 0.044 (README,
-# "A/B of optimizer options"), at 4/5 of NS5's GEMM FLOPs on the same kernels.
+# Four steps after AOL, chosen by loss rather than by polar error: Polar Express's greedy minimax
+# composition for [1e-3, 1], the last step capped so that the largest singular value is 1, not
+# 1 + E (bench/derive_aol_coeffs.py, cap_final). In the cpu-preset A/B it was the one 4-step table
+# not worse than NS5 in loss, at 4/5 of its GEMM FLOPs (README, "A/B of optimizer options").
 # Callers read the module attribute at call time, so assigning a new list swaps it everywhere.
 AOL_COEFFS_LOWER_BOUND = 1e-3  # the l the table was derived for
 AOL_COEFFS = [
@@ -680,21 +675,6 @@ def _resolve_coeffs(method: str, coeffs: list | None) -> list:
 def _check_choice(what: str, value: str, allowed: tuple) -> None:
     if value not in allowed:
         raise ValueError(f"unknown {what} {value!r}; expected one of {allowed}")
-
-
-def orthogonalize_flops(m: int, n: int, method: str, symmetric: bool, steps: int | None = None) -> float:
-    """GEMM FLOPs to orthogonalize one m x n matrix (elementwise work not counted).
-
-    Per step on the wide orientation: Gram 2m^2n, A@A 2m^3, B@X 2m^2n. The symmetric
-    kernels compute half of the Gram and of A@A: 3m^2n + m^3 instead of 4m^2n + 2m^3.
-    AOL's scaling reuses the first Gram, so it adds no GEMM.
-    """
-    _check_choice("method", method, NS_METHODS)
-    m, n = min(m, n), max(m, n)
-    if steps is None:
-        steps = len(default_coeffs(method))
-    per_step = 3 * m * m * n + m**3 if symmetric else 4 * m * m * n + 2 * m**3
-    return float(steps * per_step)
 
 
 def _as_wide_stack(G: torch.Tensor) -> tuple[torch.Tensor, bool]:

@@ -424,8 +424,9 @@ def ns_steps(tg, method):
 
 
 def orthogonalize_flops(m, n, steps, symmetric):
-    """GEMM FLOPs per matrix on the wide orientation: Gram 2m^2n, A@A 2m^3, B@X 2m^2n per step;
-    the symmetric kernels compute half of the Gram and of A@A."""
+    """GEMM FLOPs to orthogonalize one m x n matrix (elementwise work not counted). Per step on the
+    wide orientation: Gram 2m^2n, A@A 2m^3, B@X 2m^2n; the symmetric kernels compute half of the
+    Gram and of A@A. AOL's scaling reuses the first Gram, so it adds no GEMM."""
     m, n = min(m, n), max(m, n)
     return steps * ((3 * m * m * n + m ** 3) if symmetric else (4 * m * m * n + 2 * m ** 3))
 

@@ -41,6 +41,7 @@ sys.path.insert(0, REPO_ROOT)
 
 import train_gpt as ns  # noqa: E402
 from bench.derive_aol_coeffs import derive_schedule  # noqa: E402
+from bench.gpu_proof import orthogonalize_flops  # noqa: E402
 from data.cli_util import OneLineArgumentParser, positive_float, positive_int  # noqa: E402
 
 # Coefficients run after AOL in public Turbo-Muon code (Dion / You Jiacheng).
@@ -121,7 +122,7 @@ def cuda_timing(shape, batch, method, coeffs, backend, warmup=3, iters=10):
     end.record()
     torch.cuda.synchronize()
     ms = start.elapsed_time(end) / iters
-    flops = batch * ns.orthogonalize_flops(*shape, method, symmetric=backend == "triton", steps=len(coeffs))
+    flops = batch * orthogonalize_flops(*shape, len(coeffs), symmetric=backend == "triton")
     return ms, flops / (ms * 1e-3) / 1e12
 
 
@@ -150,11 +151,11 @@ def report_set(title, matrices, rows, gpu_batch, show_speed):
         reference = polar_factor(stack.to(torch.bfloat16))
         print(f"{name:>16} {'(AOL scaling, exact)':<22} " + aol_row(stack, reference))
         m, n = stack.shape[-2:]
-        pe5_flops += stack.shape[0] * ns.orthogonalize_flops(m, n, "polar_express", symmetric=True)
+        pe5_flops += stack.shape[0] * orthogonalize_flops(m, n, len(ns.POLAR_EXPRESS_COEFFS), symmetric=True)
         for label, method, coeffs in rows:
             metrics, sv = accuracy(stack, reference, method, coeffs)
-            dense = ns.orthogonalize_flops(m, n, method, symmetric=False, steps=len(coeffs))
-            sym = ns.orthogonalize_flops(m, n, method, symmetric=True, steps=len(coeffs))
+            dense = orthogonalize_flops(m, n, len(coeffs), symmetric=False)
+            sym = orthogonalize_flops(m, n, len(coeffs), symmetric=True)
             line = f"{name:>16} {label:<22} {metrics['error'].mean().item():9.4f} {sv.min().item():7.3f} " \
                    f"{sv.median().item():7.3f} {sv.max().item():7.3f} {metrics['cosine'].mean().item():6.3f} " \
                    f"{metrics['rms'].mean().item():6.3f} {dense / 1e9:8.2f} {sym / 1e9:7.2f}"
