@@ -83,7 +83,9 @@ except RendezvousError as e:
 except ChildFailedError as e:
     rank, failure = e.get_first_failure()
     if failure.exitcode < 0:  # killed by a signal: the process could not say why itself
-        sys.exit(f"run.sh: rank {rank} was killed by {failure.signal_name()} (out of memory?)")
+        hint = " (out of memory?)" if failure.exitcode == -signal.SIGKILL else ""
+        print(f"run.sh: rank {rank} was killed by {failure.signal_name()}{hint}", file=sys.stderr)
+        sys.exit(128 - failure.exitcode)  # as a shell reports a process killed by a signal
     sys.exit(failure.exitcode % 256)
 except SignalException as e:
     sys.exit(128 + signal.Signals(e.sigval).value)

@@ -2514,7 +2514,11 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
                 t0 = time.perf_counter()
             if on_step is not None:
                 on_step(step, model, optimizer)
+    except DataError:
+        raise  # a bad shard or loader state: main() reports it like one found before the loop
     except Exception as e:  # a late failure (out of memory, a lost rank, a bug): one line, a complete log
+        if not getattr(log, "path", None) or getattr(log, "error", None):  # no log file to hold the traceback
+            traceback.print_exc()
         log(traceback.format_exc().rstrip(), console=False)
         where = f"rank {ranks.rank}: " if ranks.world_size > 1 else ""
         result.failure = f"{where}failed at step {step}/{N}: {type(e).__name__}: {first_line(e)}"
@@ -2526,10 +2530,11 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
                                                   optimizer, batches, result, log)
     log(peak_memory_line(hw))
 
-    losses = torch.stack(step_losses) if step_losses else torch.zeros(0, device=hw.device)
-    if ranks.world_size > 1 and losses.numel() and not result.crashed:  # after a crash the others may be gone
-        dist.all_reduce(losses, op=dist.ReduceOp.AVG)
-    result.train_losses = losses.tolist()
+    if step_losses and not result.crashed:  # after a crash the device or the other ranks may be gone
+        losses = torch.stack(step_losses)
+        if ranks.world_size > 1:
+            dist.all_reduce(losses, op=dist.ReduceOp.AVG)
+        result.train_losses = losses.tolist()
     result.steps_done = step
     result.train_time_ms = training_time_ms
     if batches is not None:

@@ -100,6 +100,39 @@ def test_exception_late_in_training_ends_in_one_line_and_a_complete_log(tmp_path
     assert out.splitlines()[-1] == body[-1] and "Traceback" not in out
 
 
+def test_bad_shard_found_in_the_loop_is_a_data_error_not_a_crash(tmp_path, make_shards, monkeypatch, capsys):
+    train_glob, val_glob, _ = make_shards()
+    log_dir = tmp_path / "records"
+    calls = []
+
+    def unreadable(self, device):
+        calls.append(1)
+        raise train_gpt.DataError("fineweb_train_000002.bin: cannot read (Input/output error)")
+    monkeypatch.setattr(train_gpt.TrainBatches, "next_batch", unreadable)
+    argv = tiny_argv(train_files=train_glob, val_files=val_glob, log_dir=log_dir, num_iterations=20, val_every=0)
+    assert train_gpt.main(argv, {}) == train_gpt.EXIT_ERROR and calls
+    assert capsys.readouterr().err == "train_gpt.py: error: fineweb_train_000002.bin: cannot read (Input/output error)\n"
+
+
+def test_crash_without_a_log_file_prints_its_traceback(make_shards, capsys):
+    """A rank other than 0 has no log: its traceback goes to stderr, before main()'s one line."""
+    train_glob, val_glob, _ = make_shards()
+    args = train_gpt.Hyperparameters(**dict(TINY, train_files=train_glob, val_files=val_glob, num_iterations=8,
+                                            val_every=0))
+    train_gpt.check_config(args, 1, False)
+
+    def bug(step, model, optimizer):
+        if step == 2:
+            raise KeyError("bug")
+    lines = []
+    result = train_gpt.train(args, train_gpt.Ranks(), train_gpt.Hardware.detect(args),
+                             lambda text, console=True: lines.append(text), on_step=bug)
+    assert result.crashed and result.exit_code == train_gpt.EXIT_ERROR and result.train_losses == []
+    assert result.failure == "failed at step 2/8: KeyError: 'bug'" == lines[-2] and PEAK.match(lines[-1])
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback (most recent call last)") and err.rstrip().endswith("KeyError: 'bug'")
+
+
 # ------------------------------------------------------------------------------ signals
 
 def start(tmp_path, argv, command=(sys.executable, str(ROOT / "train_gpt.py")), **variables):
@@ -192,7 +225,7 @@ def test_rank_killed_by_a_signal_is_named_in_one_line(tmp_path, make_shards):
     assert len(ranks) == 2, ranks
     os.kill(int(max(ranks, key=int)), signal.SIGKILL)  # rank 1, started second
     out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 1
+    assert proc.returncode == 128 + signal.SIGKILL
     # rank 0 may first find its partner gone (one line of its own), or be stopped by torchrun
     *before, last = err.strip().splitlines()
     assert re.fullmatch(r"run\.sh: rank 1 was killed by SIGKILL \(out of memory\?\)", last), err[-3000:]
