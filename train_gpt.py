@@ -1761,10 +1761,9 @@ def _compiled(fn, backend="inductor"):
     """fn compiled, and called below the ADInplaceOrView dispatch key. AOT autograd runs the first
     call of each compiled graph (here: the compiled head's) under a dispatch mode that checks custom
     ops for aliasing, and a custom op's body then runs with that key excluded; later calls run with
-    it. The key is part of what the compiled fn's guards check, so the body's graph was captured
-    again at the head's second call (one more compile in warmup: part of the 2 new graphs
-    bench/gpu_proof.py counted on an H100, reproduced on CPU). Excluding it on every call makes
-    every call match the first graph. (The alternative, torch._functorch.config.
+    it. The key is part of what the compiled fn's guards check, so the body's graph would be
+    captured again at the head's second call; excluding it on every call makes every call match
+    the first graph. (The alternative, torch._functorch.config.
     check_custom_op_aliasing = False, would switch that check off for every custom op.)"""
     compiled = torch.compile(fn, dynamic=False, backend=backend)
 
