@@ -101,7 +101,8 @@ class Hyperparameters:
     window_growth_tokens: int = 1728    # long window: this x training progress, rounded up to whole blocks (>= 1)
     fp8_head: bool = True               # FP8 lm_head where the GPU supports it (off on CPU and pre-Ada GPUs)
     bf16_embeds: bool = True            # embeddings, value embeddings and their Adam moments in bf16
-    compile: bool = True                # torch.compile the blocks and the head
+    compile: bool = True                # torch.compile the model (--compile_scope says in how many graphs)
+    compile_scope: str = "model"        # model: one graph, as the record; blocks: each block and the head alone
     # optimization
     num_iterations: int = 1695          # training steps
     cooldown_frac: float = 0.45         # lr constant, then linear decay over this final fraction
@@ -193,7 +194,8 @@ NS_METHODS = ("newton_schulz", "polar_express", "aol")
 NS_BACKENDS = ("torch", "triton")
 # Fields that take one of a fixed set of values (booleans aside); check_config and --help read this.
 CHOICES = dict(preset=tuple(PRESETS), ns_method=NS_METHODS, ns_backend=("auto",) + NS_BACKENDS,
-               muon_update_scale=("record", "moonlight"), matrix_optimizer=("muon", "adam"), device=("auto", "cpu", "cuda"))
+               muon_update_scale=("record", "moonlight"), matrix_optimizer=("muon", "adam"), device=("auto", "cpu", "cuda"),
+               compile_scope=("model", "blocks"))
 
 
 class ConfigError(ValueError):
@@ -1643,11 +1645,16 @@ def attention_masks(tokens, long_blocks, args, hw):
     return {"L": build(tokens, long_blocks, args.attn_block_size), "S": build(tokens, short_blocks, args.attn_block_size)}
 
 
-@functools.cache
-def fused_flex_attention():
+def flex_attention_kernel():
     """FlexAttention is only a fused kernel when compiled (uncompiled, it materializes every
-    score: 55 GB at the speedrun's 48k tokens); inside an already compiled block this inlines."""
+    score: 55 GB at the speedrun's 48k tokens): traced as is inside a graph being compiled, through
+    its own compiled wrapper otherwise (--compile false)."""
     from torch.nn.attention.flex_attention import flex_attention
+    return flex_attention if torch.compiler.is_compiling() else _compiled_flex_attention(flex_attention)
+
+
+@functools.cache
+def _compiled_flex_attention(flex_attention):
     return torch.compile(flex_attention, dynamic=False)
 
 
@@ -1657,7 +1664,7 @@ def attend(q, k, v, mask, scale):
     if isinstance(mask, torch.Tensor):
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     else:
-        y = fused_flex_attention()(q, k, v, block_mask=mask, scale=scale)
+        y = flex_attention_kernel()(q, k, v, block_mask=mask, scale=scale)
     return y.transpose(1, 2)
 
 
@@ -1858,10 +1865,15 @@ class GPT(nn.Module):
         """(T,) tokens -> (T, vocab_size) fp32 soft-capped logits."""
         return self.head(self.trunk(tokens, long_window_blocks))
 
-    def compile_regions(self, backend="inductor"):
-        """Compile each block and the head as separate graphs rather than the whole model as one:
-        backward then finishes a block's gradients as soon as that block is done, which is what
-        lets the optimizer's hooks start communicating while earlier blocks are still in backward."""
+    def compile_for_training(self, scope, backend="inductor"):
+        """scope "model": one graph for the whole forward (and one for validation), as the record
+        compiles it; its backward is one node, so every gradient becomes final when all of backward
+        is done. "blocks": each block and the head compiled on its own, so a block's gradients are
+        final as soon as its backward is, and the optimizer's hooks start communicating while
+        earlier blocks are still in backward; the residual stream is rounded to bf16 between them."""
+        if scope == "model":
+            self.compile(dynamic=False, fullgraph=True, backend=backend)
+            return
         # The blocks share one compiled function with a graph per variant (attention or not, value
         # embedding or not, long or short window, block 0 where x is x0, training or validation):
         # about 12 for the speedrun, more than dynamo's default of 8 before it falls back to eager.
@@ -2373,7 +2385,7 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
     specs = param_specs(model, args)
     optimizer = ShardedMuonAdam(specs, args, ranks, hw, collectives)
     if args.compile:
-        model.compile_regions()
+        model.compile_for_training(args.compile_scope)
     log_header(log, args, ranks, hw, model, optimizer, data_note, (train_files, val_files))
     shortfall = data_shortfall(train_files, args)
     if shortfall:
@@ -2556,7 +2568,7 @@ CHECKPOINT_FORMAT = 1
 # Fields that choose where, how fast or with what logging training runs, not what it computes (device and
 # ns_backend change rounding only): a run may resume with other values of these.
 RESUME_FREE_FIELDS = {"run_name", "log_dir", "target_val_loss", "val_every", "warmup_steps", "device", "threads",
-                      "compile", "overlap_comms", "ns_backend", "dist_timeout_s", "check_every", "save_checkpoint",
+                      "compile", "compile_scope", "overlap_comms", "ns_backend", "dist_timeout_s", "check_every", "save_checkpoint",
                       "checkpoint_every", "resume", "sample", "prompt", "max_new_tokens", "temperature", "top_k"}
 # tiktoken's sha256 of GPT-2's BPE files (vocab.bpe, encoder.json), as in data/fineweb.py.
 GPT2_BPE_SHA256 = ("1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",

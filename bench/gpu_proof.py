@@ -18,7 +18,8 @@ writes DIR/report.md (tables to read) and DIR/report.json (the same figures). Ph
   train    train_gpt.py, speedrun preset, 1 GPU (its micro-batches accumulated), N steps on a
            timing dataset written here: start-up seconds, steady ms/step over steps 20..N, peak
            memory, val loss at the start and the end, recompiles and graph breaks; then the
-           steady ms/step of each other ns_method
+           same figures for each variant (--variants: by default --compile_scope blocks) and
+           each other ns_method
   peer     the public record script (--peer PATH) on the same data for the same N steps, with only
            num_iterations and val_tokens changed on a copy; the ratio ours / peer
 
@@ -60,6 +61,7 @@ SMOKE_TRAINER_ARGV = ["--preset", "cpu", "--model_dim", "32", "--num_heads", "2"
                       "--train_seq_len", "256", "--val_seq_len", "256", "--micro_batches", "2",
                       "--warmup_steps", "1"]
 SMOKE_VAL_TOKENS = 512
+DEFAULT_VARIANTS = "--compile_scope blocks"   # the departure the main run (the record's whole-model compile) lacks
 ORTHO_MIN_ROWS = 384                 # rows per kernel and orthogonalize check on a GPU (see phase_correct)
 FP8_BOUNDS = {"logits": 0.08, "grad_x": 0.08, "grad_w": 0.08}  # e4m3/e5m2 round to 2^-4/2^-3: ~4% expected
 
@@ -83,6 +85,9 @@ def parse_args(argv):
     p.add_argument("--ns-methods", default=None,
                    help="ns_methods the train phase runs, the first for --steps (default: the trainer's default "
                         "first, then the others)")
+    p.add_argument("--variants", default=DEFAULT_VARIANTS,
+                   help="trainer flags of the runs after the main one, one run per ';'-separated set, before "
+                        f"the other ns_methods' runs (default {DEFAULT_VARIANTS!r}; '' for none)")
     p.add_argument("--peer", default=None, help=f"the public record script (default {DEFAULT_PEER} when it exists)")
     p.add_argument("--peer-replace", nargs=2, action="append", default=[], metavar=("OLD", "NEW"),
                    help="one more exact edit of the peer copy (OLD must occur once); listed in the report")
@@ -132,6 +137,15 @@ def parse_args(argv):
         bad = [m for m in opts.ns_methods if m not in known]
         if bad or not opts.ns_methods:
             p.error(f"--ns-methods: unknown method {bad[0] if bad else '(none)'}; expected some of {','.join(known)}")
+    opts.variants = [v.split() for v in opts.variants.split(";") if v.strip()]
+    fields = trainer_fields()
+    for flags in opts.variants:
+        names = flags[::2]
+        if len(flags) % 2 or not all(n.startswith("--") for n in names):
+            p.error(f"--variants: {' '.join(flags)!r}: expected trainer flags as '--name value' pairs")
+        unknown = [n for n in names if n[2:] not in fields]
+        if unknown:
+            p.error(f"--variants: {unknown[0]}: not an option of train_gpt.py")
     if opts.peer is not None and not os.path.isfile(opts.peer):
         p.error(f"--peer={opts.peer}: no such file")
     if opts.peer is None and os.path.isfile(os.path.join(REPO_ROOT, DEFAULT_PEER)):
@@ -151,6 +165,15 @@ def parse_args(argv):
     return opts
 
 
+def trainer_fields():
+    """The names of train_gpt.py's Hyperparameters fields, read from its source."""
+    with open(TRAINER) as f:
+        text = f.read()
+    body = text[text.index("class Hyperparameters"):]
+    body = body[:body.index("\n\n\n")]
+    return set(re.findall(r"^    (\w+): \w+ = ", body, re.MULTILINE))
+
+
 def trainer_ns_methods():
     """The trainer's ns_methods, read from its source (no import: torch is slow to load)."""
     text = open(TRAINER).read()
@@ -165,7 +188,7 @@ def run_proof(opts):
     out = os.path.abspath(opts.out)
     os.makedirs(os.path.join(out, "phases"), exist_ok=True)
     settings = dict(steps=opts.steps, variant_steps=opts.variant_steps, steady_from=opts.steady_from,
-                    ns_methods=opts.ns_methods, peer=opts.peer,
+                    ns_methods=opts.ns_methods, variants=opts.variants, peer=opts.peer,
                     peer_replace=opts.peer_replace, cpu_smoke=opts.cpu_smoke, budgets=opts.budgets)
     with open(os.path.join(out, "settings.json"), "w") as f:
         json.dump(settings, f, indent=1)
@@ -690,7 +713,8 @@ def check_fp8(rec, tg, torch):
 
 
 def compile_counts(tg, torch, argv, cuda, backend, fp8_head=None):
-    """Graphs, graph breaks and eager fallbacks of model.compile_regions(): round 1 is a training
+    """Graphs, graph breaks and eager fallbacks of model.compile_for_training(scope) (argv's
+    --compile_scope): round 1 is a training
     micro-step and a validation forward; round 2 repeats both at a later step's window size. The
     count is dynamo's, of every compiled function: on CUDA it includes the FP8 head's two op bodies,
     each compiled on its own (train_gpt._on_device_of). fp8_head (CPU only) overrides the hardware's
@@ -710,18 +734,18 @@ def compile_counts(tg, torch, argv, cuda, backend, fp8_head=None):
     graphs = []
     try:
         model = tg.GPT(args, hw).to(hw.device)
-        model.compile_regions(backend=backend)
+        model.compile_for_training(args.compile_scope, backend=backend)
         gen = torch.Generator().manual_seed(0)
         for step in (0, args.num_iterations // 2):
             window = torch.tensor(tg.long_window_blocks_at(step, args), device=hw.device)
             model.train()
             tokens = doc_tokens(torch, args.train_seq_len + 1, 8, gen, hw.device)
-            model.head(model.trunk(tokens[:-1], window), tokens[1:]).sum().backward()
+            model(tokens[:-1], tokens[1:], window).backward()
             model.zero_grad(set_to_none=True)
             model.eval()
             with torch.no_grad():
                 tokens = doc_tokens(torch, args.val_seq_len + 1, 8, gen, hw.device)
-                model.head(model.trunk(tokens[:-1], window), tokens[1:])
+                model(tokens[:-1], tokens[1:], window)
             graphs.append(counters["stats"]["unique_graphs"])
         breaks = sum(counters["graph_break"].values())
         fallbacks = [r for r in counters["unimplemented"] if "recompile" in r.lower()]
@@ -745,25 +769,28 @@ def check_compile(rec, tg, torch, cuda):
                    "--num_value_embeds", "1"]
     cpu_argv = layout + ["--device", "cpu", "--model_dim", "64", "--num_heads", "2", "--head_dim", "32",
                          "--train_seq_len", "256", "--val_seq_len", "512"]
-    if cuda:
-        measured = compile_counts(tg, torch, layout + ["--train_seq_len", "4096", "--val_seq_len", "8192"], True,
-                                  "aot_eager")
-        expected = compile_counts(tg, torch, cpu_argv, False, "aot_eager", fp8_head=measured["fp8_head"])
-    else:
-        measured = expected = compile_counts(tg, torch, cpu_argv, False, "eager", fp8_head=True)
-    table = rec.table("torch.compile of the blocks and the head (model.compile_regions, backend aot_eager: "
+    table = rec.table("torch.compile of the model for training (model.compile_for_training, backend aot_eager: "
                       "graph capture and AOT backward, no code generation, except the FP8 op bodies, which "
                       "train_gpt.py compiles with inductor on CUDA; the train phase counts the "
-                      "inductor run), with the FP8 head's two op bodies, compiled on their own on CUDA. "
+                      "inductor run), at each --compile_scope: model (the record's: one graph for training, "
+                      "one for validation) and blocks (each block and the head on its own). "
                       "Expected: as many graphs as the CPU capture of the same layout and FP8 choice "
                       "(SDPA for FlexAttention, the op bodies compiled as on CUDA), no new graphs in "
                       "round 2 (later window), no graph breaks, no fallback to eager",
-                      ["count", "measured", "expected", "ok"])
-    rec.value("compile_hw", measured["hw"])
-    rec.value("compile_expected_hw", expected["hw"])
-    for key, want in (("graphs_round1", expected["graphs_round1"]), ("new_graphs_round2", 0),
-                      ("graph_breaks", 0), ("eager_fallbacks", 0)):
-        rec.row(table, [key, measured[key], want], ok=measured[key] == want)
+                      ["scope", "count", "measured", "expected", "ok"])
+    for scope in tg.CHOICES["compile_scope"]:
+        argv = ["--compile_scope", scope]
+        if cuda:
+            measured = compile_counts(tg, torch, layout + argv + ["--train_seq_len", "4096", "--val_seq_len", "8192"],
+                                      True, "aot_eager")
+            expected = compile_counts(tg, torch, cpu_argv + argv, False, "aot_eager", fp8_head=measured["fp8_head"])
+        else:
+            measured = expected = compile_counts(tg, torch, cpu_argv + argv, False, "eager", fp8_head=True)
+        rec.value("compile_hw", measured["hw"])
+        rec.value("compile_expected_hw", expected["hw"])
+        for key, want in (("graphs_round1", expected["graphs_round1"]), ("new_graphs_round2", 0),
+                          ("graph_breaks", 0), ("eager_fallbacks", 0)):
+            rec.row(table, [scope, key, measured[key], want], ok=measured[key] == want)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -992,12 +1019,12 @@ def console_figures(lines):
 
 
 def run_columns():
-    return ["run", "ns_method", "steps", "exit", "start-up s", "steady ms/step", "peak alloc MiB",
+    return ["run", "ns_method", "flags", "steps", "exit", "start-up s", "steady ms/step", "peak alloc MiB",
             "peak reserved MiB", "val loss start", "val loss end", "recompiles warmup/timed", "graph breaks"]
 
 
 def run_row(label, method, figures):
-    return [label, method, figures.get("steps_done"), figures.get("exit"), figures.get("startup_s"),
+    return [label, method, figures.get("flags") or "", figures.get("steps_done"), figures.get("exit"), figures.get("startup_s"),
             figures.get("steady_ms"), figures.get("peak_allocated_mib"), figures.get("peak_reserved_mib"),
             figures.get("val_loss_start"), figures.get("val_loss_end"),
             f"{figures.get('recompiles_warmup')}/{figures.get('recompiles_timed')}", figures.get("graph_breaks")]
@@ -1033,34 +1060,44 @@ def phase_train(rec, ctx):
     if smoke and not ctx["ns_methods"]:
         methods = methods[:2]
         rec.note("cpu smoke: the default ns_method and one other (the code path of every further run is the same)")
+    # (row label, ns_method, extra trainer flags): the main run, each variant, each other ns_method
+    runs = ([("main", methods[0], [])] + [("variant", methods[0], flags) for flags in ctx["variants"]]
+            + [("ns_method", method, []) for method in methods[1:]])
     table = rec.table("Training runs of train_gpt.py", run_columns())
     log_dir = os.path.join(ctx["out"], "train")
-    for i, method in enumerate(methods):
+    for i, (label, method, flags) in enumerate(runs):
+        name = method if label != "variant" else variant_name(flags)
         steps = ctx["steps"] if i == 0 else ctx["variant_steps"]
         remaining = ctx["deadline"] - time.time() - 5
         if remaining < (10 if smoke else 90):
             rec.data["partial"] = True
-            rec.note(f"{method}: not run, {remaining:.0f} s of the phase budget left (run `--phases env,train "
-                     f"--ns-methods {method}` in another command; --merge adds its run to these)")
+            again = (f"--ns-methods {method}` in another command; --merge adds its run to these)"
+                     if label == "ns_method" else f"--variants '{' '.join(flags)}'` in another command)")
+            rec.note(f"{name}: not run, {remaining:.0f} s of the phase budget left (run `--phases env,train {again}")
             continue
         argv = base + ["--num_iterations", str(steps), "--val_tokens", str(val_tokens),
                        "--val_every", str(steps if i == 0 else 0), "--train_files", train_files,
-                       "--val_files", val_files, "--log_dir", log_dir, "--run_name", f"proof_{method}",
-                       "--ns_method", method]
+                       "--val_files", val_files, "--log_dir", log_dir, "--run_name", f"proof_{name}",
+                       "--ns_method", method, *flags]
         status, lines, seconds = run_logged([sys.executable, TRAINER, *argv], REPO_ROOT, child_env(smoke),
-                                            remaining, os.path.join(ctx["out"], f"train_{method}.console.txt"))
-        logs = sorted(glob_files(os.path.join(log_dir, f"*_proof_{method}", "*.txt")), key=os.path.getmtime)
+                                            remaining, os.path.join(ctx["out"], f"train_{name}.console.txt"))
+        logs = sorted(glob_files(os.path.join(log_dir, f"*_proof_{name}", "*.txt")), key=os.path.getmtime)
         figures = parse_run_log(open(logs[-1]).read(), ctx["steady_from"]) if logs else {}
-        figures.update(console_figures(lines), exit=status, wall_s=round(seconds, 1), log=logs[-1] if logs else None)
-        label = "main" if i == 0 else "ns_method"
+        figures.update(console_figures(lines), exit=status, wall_s=round(seconds, 1), log=logs[-1] if logs else None,
+                       flags=" ".join(flags))
         rec.row(table, run_row(label, method, figures))
-        rec.value(f"run_{method}", figures)
+        rec.value(f"run_{name}", figures)
         if i == 0:
             rec.value("main", dict(figures, ns_method=method))
         if status != 0:
-            rec.data["errors"].append({"check": f"train run {method} (exit {status}), console tail",
+            rec.data["errors"].append({"check": f"train run {name} (exit {status}), console tail",
                                        "traceback": "\n".join(line for _, line in lines[-40:])})
             rec.flush()
+
+
+def variant_name(flags):
+    """'--compile_scope blocks --x 1' -> 'compile_scope-blocks_x-1' (a --run_name, a report key)."""
+    return re.sub(r"[^A-Za-z0-9._-]", ".", "_".join(f"{n[2:]}-{v}" for n, v in zip(flags[::2], flags[1::2])))
 
 
 def glob_files(pattern):

@@ -69,13 +69,16 @@ def test_smoke_correctness_checks_ran_and_passed(smoke):
     outputs = [r for r in attention if r["tensor"] == "output"]
     assert len(outputs) == 3 and all(r["ok"] == "yes" and r["flex err"] < 1e-5 for r in outputs)
     assert all(r["sdpa err"] < 1e-5 for r in attention)  # SDPA's gradients against the fp64 reference
-    compile_rows = {r["count"]: r for r in rows(correct, "torch.compile")}
-    assert compile_rows["graphs_round1"]["measured"] > 2 and compile_rows["graph_breaks"]["measured"] == 0
+    compile_rows = {(r["scope"], r["count"]): r for r in rows(correct, "torch.compile")}
+    # the record's scope: one graph for training, one for validation, and the FP8 head's two op bodies
+    assert compile_rows["model", "graphs_round1"]["measured"] == 4
+    assert compile_rows["blocks", "graphs_round1"]["measured"] > 4  # the blocks' variants, the head, the bodies
+    assert all(compile_rows[scope, "graph_breaks"]["measured"] == 0 for scope in ("model", "blocks"))
     # the capture includes the FP8 head's op bodies compiled as on CUDA, and nothing recompiles at a later
     # window (backend eager: torch's first-call aliasing check, which made the bodies recompile, runs only
     # under AOT autograd; tests/test_model.py::test_fp8_op_bodies_are_captured_once covers that)
     assert correct["values"]["compile_expected_hw"] == "cpu, sdpa, fp8=True (op bodies compiled)"
-    assert compile_rows["new_graphs_round2"]["measured"] == 0
+    assert all(compile_rows[scope, "new_graphs_round2"]["measured"] == 0 for scope in ("model", "blocks"))
     assert any("FP8 head: skipped: needs CUDA" in n for n in correct["notes"])
 
 
@@ -113,7 +116,11 @@ def test_smoke_train_figures(smoke):
     assert main["graph_breaks"] == 0 and main["recompiles_timed"] == 0
     assert Path(main["log"]).is_relative_to(out)  # logs go inside --out, never into records/
     runs = rows(train, "Training runs")
-    assert len(runs) == 2 and len({r["ns_method"] for r in runs}) == 2 and all(r["exit"] == 0 for r in runs)
+    assert [r["run"] for r in runs] == ["main", "variant", "ns_method"] and all(r["exit"] == 0 for r in runs)
+    assert runs[1]["flags"] == "--compile_scope blocks" and runs[1]["ns_method"] == runs[0]["ns_method"]
+    assert runs[2]["ns_method"] != runs[0]["ns_method"]
+    variant_log = train["values"]["run_compile_scope-blocks"]["log"]
+    assert "compile_scope=blocks" in Path(variant_log).read_text()  # the flag reached the trainer
     for split in ("train_000001", "val_000000"):
         assert (out / "data" / "fineweb10B" / f"fineweb_{split}.bin").exists()
     assert report["comparison"] is None  # no peer run on CPU
@@ -140,6 +147,8 @@ def test_smoke_peer_copy_changes_exactly_two_lines(smoke):
     (["--steps", "20"], "--steps=20: must exceed 20"),
     (["--budget", "train=soon"], "--budget='train=soon'"),
     (["--ns-methods", "adam"], "--ns-methods: unknown method adam"),
+    (["--variants", "--compile_scope blocks;--bogus 1"], "--variants: --bogus: not an option of train_gpt.py"),
+    (["--variants", "--compile_scope blocks --ns_method"], "--variants: '--compile_scope blocks --ns_method': expected"),
 ])
 def test_bad_arguments_fail_in_one_line_before_any_work(tmp_path, args, message):
     out = tmp_path / "out"

@@ -217,7 +217,7 @@ def test_compiled_blocks_stay_compiled_for_training_and_validation():
     torch._dynamo.reset()
     counters.clear()
     try:
-        model.compile_regions(backend="eager")  # dynamo's graph capture without inductor's code generation
+        model.compile_for_training("blocks", backend="eager")  # dynamo's capture without inductor's code generation
         inputs, targets = random_tokens(args.train_seq_len)
         model(inputs, targets, torch.tensor(2)).backward()
         model.eval()
@@ -229,6 +229,47 @@ def test_compiled_blocks_stay_compiled_for_training_and_validation():
         assert counters["stats"]["unique_graphs"] > 8  # more variants than dynamo's default limit
     finally:
         torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "flex"])
+def test_whole_model_compiles_to_one_graph_for_training_and_one_for_validation(attention):
+    """--compile_scope model, the record's: fullgraph=True, so a graph break anywhere in the forward
+    is an error; the window size is a tensor, so a later window makes no new graph. On the SDPA
+    path (CPU's) the compiled step's loss and gradients are eager's; FlexAttention (CUDA's path)
+    has no backward on CPU, so its graphs are captured without gradients."""
+    import dataclasses
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    model, args = tiny_model(num_layers=12, window_pattern="LSSSLSSLSSSL", attention_free_layers="7",
+                             num_value_embeds=3, val_seq_len=256)
+    model.hw = dataclasses.replace(model.hw, attention=attention)
+    grad = attention == "sdpa"
+    inputs, targets = random_tokens(args.train_seq_len)
+    with torch.set_grad_enabled(grad):
+        eager = model(inputs, targets, torch.tensor(2))
+        if grad:
+            eager.backward()
+            eager_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+            model.zero_grad(set_to_none=True)
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        model.compile_for_training("model", backend="aot_eager" if grad else "eager")
+        with torch.set_grad_enabled(grad):
+            losses = [model(inputs, targets, torch.tensor(window)) for window in (3, 2)]
+            if grad:
+                losses[-1].backward()
+        model.eval()
+        with torch.no_grad():
+            model(*random_tokens(args.val_seq_len), torch.tensor(2))
+        graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+    finally:
+        torch._dynamo.reset()
+    assert (graphs, breaks) == (2, 0)
+    assert losses[-1].item() == pytest.approx(eager.item(), rel=1e-6)
+    if grad:
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, eager_grads[name], msg=name)
 
 
 @pytest.mark.parametrize("cuda, capability, fp8", [(False, None, False), (True, (8, 0), False), (True, (9, 0), True)])
