@@ -85,6 +85,7 @@ def parse_args(argv):
     p.add_argument("--ns-methods", default=None,
                    help="ns_methods the train phase runs, the first for --steps (default: the trainer's default "
                         "first, then the others)")
+    p.add_argument("--main-flags", default="", help="trainer flags of the main run (default none: the preset)")
     p.add_argument("--variants", default=DEFAULT_VARIANTS,
                    help="trainer flags of the runs after the main one, one run per ';'-separated set, before "
                         f"the other ns_methods' runs (default {DEFAULT_VARIANTS!r}; '' for none)")
@@ -138,14 +139,16 @@ def parse_args(argv):
         if bad or not opts.ns_methods:
             p.error(f"--ns-methods: unknown method {bad[0] if bad else '(none)'}; expected some of {','.join(known)}")
     opts.variants = [v.split() for v in opts.variants.split(";") if v.strip()]
+    opts.main_flags = opts.main_flags.split()
     fields = trainer_fields()
-    for flags in opts.variants:
-        names = flags[::2]
-        if len(flags) % 2 or not all(n.startswith("--") for n in names):
-            p.error(f"--variants: {' '.join(flags)!r}: expected trainer flags as '--name value' pairs")
-        unknown = [n for n in names if n[2:] not in fields]
-        if unknown:
-            p.error(f"--variants: {unknown[0]}: not an option of train_gpt.py")
+    for option, flag_sets in (("--main-flags", [opts.main_flags]), ("--variants", opts.variants)):
+        for flags in flag_sets:
+            names = flags[::2]
+            if len(flags) % 2 or not all(n.startswith("--") for n in names):
+                p.error(f"{option}: {' '.join(flags)!r}: expected trainer flags as '--name value' pairs")
+            unknown = [n for n in names if n[2:] not in fields]
+            if unknown:
+                p.error(f"{option}: {unknown[0]}: not an option of train_gpt.py")
     if opts.peer is not None and not os.path.isfile(opts.peer):
         p.error(f"--peer={opts.peer}: no such file")
     if opts.peer is None and os.path.isfile(os.path.join(REPO_ROOT, DEFAULT_PEER)):
@@ -188,7 +191,7 @@ def run_proof(opts):
     out = os.path.abspath(opts.out)
     os.makedirs(os.path.join(out, "phases"), exist_ok=True)
     settings = dict(steps=opts.steps, variant_steps=opts.variant_steps, steady_from=opts.steady_from,
-                    ns_methods=opts.ns_methods, variants=opts.variants, peer=opts.peer,
+                    ns_methods=opts.ns_methods, main_flags=opts.main_flags, variants=opts.variants, peer=opts.peer,
                     peer_replace=opts.peer_replace, cpu_smoke=opts.cpu_smoke, budgets=opts.budgets)
     with open(os.path.join(out, "settings.json"), "w") as f:
         json.dump(settings, f, indent=1)
@@ -1061,19 +1064,20 @@ def phase_train(rec, ctx):
         methods = methods[:2]
         rec.note("cpu smoke: the default ns_method and one other (the code path of every further run is the same)")
     # (row label, ns_method, extra trainer flags): the main run, each variant, each other ns_method
-    runs = ([("main", methods[0], [])] + [("variant", methods[0], flags) for flags in ctx["variants"]]
+    runs = ([("main", methods[0], ctx["main_flags"])] + [("variant", methods[0], flags) for flags in ctx["variants"]]
             + [("ns_method", method, []) for method in methods[1:]])
     table = rec.table("Training runs of train_gpt.py", run_columns())
     log_dir = os.path.join(ctx["out"], "train")
     for i, (label, method, flags) in enumerate(runs):
-        name = method if label != "variant" else variant_name(flags)
+        name = variant_name(flags) if flags else method
         steps = ctx["steps"] if i == 0 else ctx["variant_steps"]
         remaining = ctx["deadline"] - time.time() - 5
         if remaining < (10 if smoke else 90):
             rec.data["partial"] = True
-            again = (f"--ns-methods {method}` in another command; --merge adds its run to these)"
-                     if label == "ns_method" else f"--variants '{' '.join(flags)}'` in another command)")
-            rec.note(f"{name}: not run, {remaining:.0f} s of the phase budget left (run `--phases env,train {again}")
+            again = (f"--ns-methods {method}" if label == "ns_method" else
+                     f"--ns-methods {method} --main-flags '{' '.join(flags)}' --variants ''")
+            rec.note(f"{name}: not run, {remaining:.0f} s of the phase budget left (run `--phases env,train "
+                     f"--steps {steps} {again}` in another command; --merge adds its run to these)")
             continue
         argv = base + ["--num_iterations", str(steps), "--val_tokens", str(val_tokens),
                        "--val_every", str(steps if i == 0 else 0), "--train_files", train_files,
@@ -1088,7 +1092,7 @@ def phase_train(rec, ctx):
         rec.row(table, run_row(label, method, figures))
         rec.value(f"run_{name}", figures)
         if i == 0:
-            rec.value("main", dict(figures, ns_method=method))
+            rec.value("main", dict(figures, ns_method=method, name=name))
         if status != 0:
             rec.data["errors"].append({"check": f"train run {name} (exit {status}), console tail",
                                        "traceback": "\n".join(line for _, line in lines[-40:])})
@@ -1308,10 +1312,11 @@ STATUS_ORDER = ("ok", "skipped", "partial", "failed", "timeout", "crashed")
 
 
 def adds_runs(first, later):
-    """A later train phase adds to an earlier one whose main run succeeded when it ran other
-    ns_methods only; otherwise (a re-run after a fix, say) it replaces it."""
+    """A later train phase adds to an earlier one whose main run succeeded when it ran other runs
+    only (other ns_methods or flags); otherwise (a re-run after a fix, say) it replaces it."""
     main = (first or {}).get("values", {}).get("main")
-    return bool(main) and main.get("exit") == 0 and f"run_{main.get('ns_method')}" not in later["values"]
+    name = (main or {}).get("name") or (main or {}).get("ns_method")
+    return bool(main) and main.get("exit") == 0 and f"run_{name}" not in later["values"]
 
 
 def combine_train(first, later):
@@ -1321,8 +1326,10 @@ def combine_train(first, later):
     combined["values"].update({k: v for k, v in later["values"].items() if k != "main"})
     for table in later["tables"]:
         same = [t for t in combined["tables"] if t["title"] == table["title"]]
-        if same:
-            same[0]["rows"] += [["ns_method"] + row[1:] if row[0] == "main" else row for row in table["rows"]]
+        if same:   # the later main run joins as what it is beside the first: a variant or an ns_method
+            flags = table["columns"].index("flags") if "flags" in table["columns"] else None
+            same[0]["rows"] += [[row[0] if row[0] != "main" else "variant" if flags and row[flags] else "ns_method"]
+                                + row[1:] for row in table["rows"]]
         else:
             combined["tables"].append(table)
     for key in ("notes", "errors"):

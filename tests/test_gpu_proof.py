@@ -149,6 +149,7 @@ def test_smoke_peer_copy_changes_exactly_two_lines(smoke):
     (["--ns-methods", "adam"], "--ns-methods: unknown method adam"),
     (["--variants", "--compile_scope blocks;--bogus 1"], "--variants: --bogus: not an option of train_gpt.py"),
     (["--variants", "--compile_scope blocks --ns_method"], "--variants: '--compile_scope blocks --ns_method': expected"),
+    (["--main-flags", "--compile_scop blocks"], "--main-flags: --compile_scop: not an option of train_gpt.py"),
 ])
 def test_bad_arguments_fail_in_one_line_before_any_work(tmp_path, args, message):
     out = tmp_path / "out"
@@ -227,6 +228,27 @@ def test_merge_adds_a_later_train_run_and_keeps_the_first_main_run(tmp_path):
     assert train["tables"][0]["rows"] == [["main", "newton_schulz"], ["ns_method", "aol"]]
     rerun = gpu_proof.merge_reports(paths[:1] + paths[:1])["phases"]["train"]   # the same method again: replaces
     assert rerun["tables"][0]["rows"] == [["main", "newton_schulz"]]
+
+
+def test_merge_adds_a_later_run_with_other_main_flags_as_a_variant(tmp_path):
+    """The command a budget note gives for a left-out variant (--main-flags FLAGS --variants '')
+    makes a report whose main run merges in as a variant of the first command's main run."""
+    def train_report(flags, steady):
+        name = gpu_proof.variant_name(flags.split()) if flags else "newton_schulz"
+        phase = fake_phase("train", values={"main": dict(ns_method="newton_schulz", name=name, steady_ms=steady, exit=0),
+                                            f"run_{name}": dict(steady_ms=steady)})
+        phase["tables"] = [{"title": "Training runs of train_gpt.py", "columns": ["run", "ns_method", "flags"],
+                            "rows": [["main", "newton_schulz", flags]]}]
+        return gpu_proof.build_report({"train": phase}, [flags], False)
+    paths = []
+    for i, report in enumerate((train_report("", 800.0), train_report("--compile_scope blocks", 830.0))):
+        gpu_proof.write_report(str(tmp_path / str(i)), report)
+        paths.append(str(tmp_path / str(i) / "report.json"))
+    train = gpu_proof.merge_reports(paths)["phases"]["train"]
+    assert train["values"]["main"]["steady_ms"] == 800.0
+    assert set(train["values"]) == {"main", "run_newton_schulz", "run_compile_scope-blocks"}
+    assert train["tables"][0]["rows"] == [["main", "newton_schulz", ""],
+                                          ["variant", "newton_schulz", "--compile_scope blocks"]]
 
 
 def test_merge_names_each_commands_code_when_a_fix_came_between(tmp_path):
