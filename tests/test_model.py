@@ -231,18 +231,25 @@ def test_compiled_blocks_stay_compiled_for_training_and_validation():
         torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "flex"])
-def test_whole_model_compiles_to_one_graph_for_training_and_one_for_validation(attention):
+@pytest.mark.parametrize("layout", ["fp32 sdpa", "bf16 sdpa fp8", "fp32 flex"])
+def test_whole_model_compiles_to_one_graph_for_training_and_one_for_validation(layout):
     """--compile_scope model, the record's: fullgraph=True, so a graph break anywhere in the forward
-    is an error; the window size is a tensor, so a later window makes no new graph. On the SDPA
-    path (CPU's) the compiled step's loss and gradients are eager's; FlexAttention (CUDA's path)
-    has no backward on CPU, so its graphs are captured without gradients."""
+    is an error; the window size is a tensor, so a later window makes no new graph. The compiled
+    step's loss and gradients are eager's, on CPU's path and in CUDA's dtype with its FP8 head;
+    FlexAttention (CUDA's attention) has no backward on CPU, so its graphs are captured without
+    gradients."""
     import dataclasses
     import torch._dynamo
     from torch._dynamo.utils import counters
     model, args = tiny_model(num_layers=12, window_pattern="LSSSLSSLSSSL", attention_free_layers="7",
                              num_value_embeds=3, val_seq_len=256)
-    model.hw = dataclasses.replace(model.hw, attention=attention)
+    dtype, attention, *fp8 = layout.split()
+    model.hw = dataclasses.replace(model.hw, compute_dtype=getattr(torch, {"bf16": "bfloat16"}.get(dtype, "float32")),
+                                   attention=attention, fp8_head=bool(fp8))
+    if fp8:
+        train_gpt.register_fp8_ops()  # as GPT() does when the hardware runs the FP8 head
+        with torch.no_grad():
+            model.lm_head_w.normal_(0, 0.05)  # a zero head would give FP8 nothing to round
     grad = attention == "sdpa"
     inputs, targets = random_tokens(args.train_seq_len)
     with torch.set_grad_enabled(grad):
