@@ -2308,7 +2308,8 @@ class TrainResult:
     checkpoint_error: str | None = None                 # the last checkpoint write failed (one line)
     failure: str | None = None   # the line that ended the run: divergence, a signal, a failed log write, a crash
     exit_code: int = 0
-    crashed: bool = False        # an exception ended the training loop (its traceback is in the log)
+    crashed: bool = False        # an exception ended the training loop (the other ranks may be gone)
+    traceback_logged: bool = False  # ... and its traceback is in the log (all but a DataError's)
 
 
 # Exit codes of main(); an interrupted run exits with 128 + the signal's number (130 SIGINT, 143 SIGTERM).
@@ -2525,14 +2526,16 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
                 t0 = time.perf_counter()
             if on_step is not None:
                 on_step(step, model, optimizer)
-    except DataError:
-        raise  # a bad shard or loader state: main() reports it like one found before the loop
-    except Exception as e:  # a late failure (out of memory, a lost rank, a bug): one line, a complete log
-        if not getattr(log, "path", None) or getattr(log, "error", None):  # no log file to hold the traceback
-            traceback.print_exc()
-        log(traceback.format_exc().rstrip(), console=False)
-        where = f"rank {ranks.rank}: " if ranks.world_size > 1 else ""
-        result.failure = f"{where}failed at step {step}/{N}: {type(e).__name__}: {first_line(e)}"
+    except Exception as e:  # a late failure (a bad shard, out of memory, a lost rank, a bug): one line, a complete log
+        where = f"rank {ranks.rank}: " if ranks.world_size > 1 else ""  # perhaps this rank's alone
+        if isinstance(e, DataError):  # its line says all: which file, what is wrong
+            result.failure = f"{where}{e}"
+        else:
+            if not getattr(log, "path", None) or getattr(log, "error", None):  # no log file to hold the traceback
+                traceback.print_exc()
+            log(traceback.format_exc().rstrip(), console=False)
+            result.failure = f"{where}failed at step {step}/{N}: {type(e).__name__}: {first_line(e)}"
+            result.traceback_logged = True
         result.exit_code, result.crashed = EXIT_ERROR, True
     if result.failure and (result.exit_code != EXIT_ERROR or result.crashed):
         log(result.failure, console=not result.crashed)  # main() prints a crash (on every rank) and a failed write
@@ -2809,7 +2812,7 @@ def main(argv=None, environ=None):
             dist.destroy_process_group()
         stop.uninstall()
     if result.crashed:  # every rank that failed says so; rank 0's traceback is in the log
-        in_log = f" (traceback in {log.path})" if log.path and not log.error else ""
+        in_log = f" (traceback in {log.path})" if result.traceback_logged and log.path and not log.error else ""
         print(f"train_gpt.py: error: {result.failure}{in_log}", file=sys.stderr)
         return EXIT_ERROR
     if result.exit_code == EXIT_ERROR or (log.error and not result.exit_code):  # a write may fail after the last check

@@ -112,6 +112,38 @@ def test_bad_shard_found_in_the_loop_is_a_data_error_not_a_crash(tmp_path, make_
     argv = tiny_argv(train_files=train_glob, val_files=val_glob, log_dir=log_dir, num_iterations=20, val_every=0)
     assert train_gpt.main(argv, {}) == train_gpt.EXIT_ERROR and calls
     assert capsys.readouterr().err == "train_gpt.py: error: fineweb_train_000002.bin: cannot read (Input/output error)\n"
+    body = only_log(log_dir).splitlines()  # the log ends like every other stopped run's
+    assert body[-2] == "fineweb_train_000002.bin: cannot read (Input/output error)" and PEAK.match(body[-1])
+    assert "Traceback" not in body[-5:]
+
+
+def test_bad_shard_found_by_one_rank_in_the_loop_is_named_by_that_rank(make_shards, capsys):
+    """Ranks read their own windows: an I/O error may hit one rank only. That rank says so (rank 0's
+    console line alone would only say that a peer is gone) and touches no collective after it."""
+    train_glob, val_glob, _ = make_shards()
+    args = train_gpt.Hyperparameters(**dict(TINY, train_files=train_glob, val_files=val_glob, num_iterations=8,
+                                            val_every=0, micro_batches=2))
+    train_gpt.check_config(args, 2, False)
+
+    collectives, at_failure = [], []
+
+    def unreadable(self, device):
+        at_failure.append(len(collectives))
+        raise train_gpt.DataError("fineweb_train_000002.bin: cannot read (Input/output error)")
+    lines = []
+    original = train_gpt.TrainBatches.next_batch
+    train_gpt.TrainBatches.next_batch = unreadable
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(train_gpt.dist, "all_reduce", lambda *a, **k: collectives.append(a))
+            result = train_gpt.train(args, train_gpt.Ranks(1, 1, 2, 2), train_gpt.Hardware.detect(args),
+                                     lambda text, console=True: lines.append(text))
+    finally:
+        train_gpt.TrainBatches.next_batch = original
+    assert result.crashed and not result.traceback_logged and result.exit_code == train_gpt.EXIT_ERROR
+    assert result.failure == "rank 1: fineweb_train_000002.bin: cannot read (Input/output error)"
+    assert lines[-2] == result.failure and PEAK.match(lines[-1])
+    assert at_failure and len(collectives) == at_failure[0]  # no final all_reduce of the losses
 
 
 def test_crash_without_a_log_file_prints_its_traceback(make_shards, capsys):
