@@ -11,7 +11,7 @@ writes DIR/report.md (tables to read) and DIR/report.json (the same figures). Ph
            shape of the speedrun, in bf16, against an fp64 run (stated bounds); FlexAttention with
            flex_block_mask against SDPA with dense_attention_mask, outputs and gradients; the FP8
            head's forward and backward against bf16; graphs, recompiles and graph breaks of the
-           compiled blocks
+           compiled model at each --compile_scope
   kernels  ms and TFLOP/s of orthogonalizing the speedrun's Muon stacks (the work of one rank at
            1 and at 8 GPUs), every ns_method on the Triton and on the torch.compile'd torch
            backend, and the ratio to compiled torch Newton-Schulz
@@ -38,6 +38,7 @@ import math
 import os
 import platform
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -61,6 +62,9 @@ SMOKE_TRAINER_ARGV = ["--preset", "cpu", "--model_dim", "32", "--num_heads", "2"
                       "--train_seq_len", "256", "--val_seq_len", "256", "--micro_batches", "2",
                       "--warmup_steps", "1"]
 SMOKE_VAL_TOKENS = 512
+# Trainer fields every train run sets itself (a variant's flags come last and would override them)
+PROOF_SETS = {"preset", "num_iterations", "val_tokens", "val_every", "train_files", "val_files", "log_dir",
+              "run_name", "ns_method"}
 DEFAULT_VARIANTS = "--compile_scope blocks"   # the departure the main run (the record's whole-model compile) lacks
 ORTHO_MIN_ROWS = 384                 # rows per kernel and orthogonalize check on a GPU (see phase_correct)
 FP8_BOUNDS = {"logits": 0.08, "grad_x": 0.08, "grad_w": 0.08}  # e4m3/e5m2 round to 2^-4/2^-3: ~4% expected
@@ -140,15 +144,17 @@ def parse_args(argv):
             p.error(f"--ns-methods: unknown method {bad[0] if bad else '(none)'}; expected some of {','.join(known)}")
     opts.variants = [v.split() for v in opts.variants.split(";") if v.strip()]
     opts.main_flags = opts.main_flags.split()
-    fields = trainer_fields()
     for option, flag_sets in (("--main-flags", [opts.main_flags]), ("--variants", opts.variants)):
         for flags in flag_sets:
             names = flags[::2]
             if len(flags) % 2 or not all(n.startswith("--") for n in names):
                 p.error(f"{option}: {' '.join(flags)!r}: expected trainer flags as '--name value' pairs")
-            unknown = [n for n in names if n[2:] not in fields]
-            if unknown:
-                p.error(f"{option}: {unknown[0]}: not an option of train_gpt.py")
+            reserved = [n for n in names if n[2:].replace("-", "_") in PROOF_SETS]
+            if reserved:
+                p.error(f"{option}: {reserved[0]}: the proof sets it (use --steps, --ns-methods)")
+            problem = trainer_config_error(flags, opts.cpu_smoke)
+            if problem:
+                p.error(f"{option}: {' '.join(flags)!r}: {problem}")
     if opts.peer is not None and not os.path.isfile(opts.peer):
         p.error(f"--peer={opts.peer}: no such file")
     if opts.peer is None and os.path.isfile(os.path.join(REPO_ROOT, DEFAULT_PEER)):
@@ -168,13 +174,22 @@ def parse_args(argv):
     return opts
 
 
-def trainer_fields():
-    """The names of train_gpt.py's Hyperparameters fields, read from its source."""
-    with open(TRAINER) as f:
-        text = f.read()
-    body = text[text.index("class Hyperparameters"):]
-    body = body[:body.index("\n\n\n")]
-    return set(re.findall(r"^    (\w+): \w+ = ", body, re.MULTILINE))
+def trainer_config_error(flags, cpu_smoke):
+    """What train_gpt.py says of a train run's configuration with these flags (None: nothing), asked
+    in a child process (torch is slow to load here), so that a bad value fails now, not after the
+    main run has spent minutes of the GPU."""
+    base = SMOKE_TRAINER_ARGV if cpu_smoke else ["--preset", "speedrun"]
+    code = ("import sys, train_gpt\n"
+            "try:\n"
+            f"    train_gpt.parse_config(sys.argv[1:], {{}}, world_size=1, cuda_available={not cpu_smoke})\n"
+            "except train_gpt.ConfigError as e:\n"
+            "    print(e)\n")
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, "-c", code, *base, *flags], cwd=REPO_ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    if done.returncode != 0:
+        return f"train_gpt.py did not load: {(done.stderr.strip().splitlines() or ['?'])[-1]}"
+    return done.stdout.strip() or None
 
 
 def trainer_ns_methods():
@@ -550,7 +565,7 @@ def phase_correct(rec, ctx):
         rec.attempt("fp8 head", check_fp8, rec, tg, torch)
     else:
         rec.note("FP8 head: skipped: needs CUDA")
-    rec.attempt("compile counts", check_compile, rec, tg, torch, cuda)
+    check_compile(rec, tg, torch, cuda)
 
 
 def check_kernels(rec, table, tg, torch, shape, device, dtype):
@@ -781,19 +796,24 @@ def check_compile(rec, tg, torch, cuda):
                       "(SDPA for FlexAttention, the op bodies compiled as on CUDA), no new graphs in "
                       "round 2 (later window), no graph breaks, no fallback to eager",
                       ["scope", "count", "measured", "expected", "ok"])
-    for scope in tg.CHOICES["compile_scope"]:
-        argv = ["--compile_scope", scope]
-        if cuda:
-            measured = compile_counts(tg, torch, layout + argv + ["--train_seq_len", "4096", "--val_seq_len", "8192"],
-                                      True, "aot_eager")
-            expected = compile_counts(tg, torch, cpu_argv + argv, False, "aot_eager", fp8_head=measured["fp8_head"])
-        else:
-            measured = expected = compile_counts(tg, torch, cpu_argv + argv, False, "eager", fp8_head=True)
-        rec.value("compile_hw", measured["hw"])
-        rec.value("compile_expected_hw", expected["hw"])
-        for key, want in (("graphs_round1", expected["graphs_round1"]), ("new_graphs_round2", 0),
-                          ("graph_breaks", 0), ("eager_fallbacks", 0)):
-            rec.row(table, [scope, key, measured[key], want], ok=measured[key] == want)
+    for scope in tg.CHOICES["compile_scope"]:   # one attempt each: a failure of one keeps the other's counts
+        rec.attempt(f"compile counts {scope}", compile_scope_counts, rec, table, tg, torch, cuda, scope, layout,
+                    cpu_argv)
+
+
+def compile_scope_counts(rec, table, tg, torch, cuda, scope, layout, cpu_argv):
+    argv = ["--compile_scope", scope]
+    if cuda:
+        measured = compile_counts(tg, torch, layout + argv + ["--train_seq_len", "4096", "--val_seq_len", "8192"],
+                                  True, "aot_eager")
+        expected = compile_counts(tg, torch, cpu_argv + argv, False, "aot_eager", fp8_head=measured["fp8_head"])
+    else:
+        measured = expected = compile_counts(tg, torch, cpu_argv + argv, False, "eager", fp8_head=True)
+    rec.value("compile_hw", measured["hw"])
+    rec.value("compile_expected_hw", expected["hw"])
+    for key, want in (("graphs_round1", expected["graphs_round1"]), ("new_graphs_round2", 0),
+                      ("graph_breaks", 0), ("eager_fallbacks", 0)):
+        rec.row(table, [scope, key, measured[key], want], ok=measured[key] == want)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -1064,20 +1084,23 @@ def phase_train(rec, ctx):
         methods = methods[:2]
         rec.note("cpu smoke: the default ns_method and one other (the code path of every further run is the same)")
     # (row label, ns_method, extra trainer flags): the main run, each variant, each other ns_method
-    runs = ([("main", methods[0], ctx["main_flags"])] + [("variant", methods[0], flags) for flags in ctx["variants"]]
-            + [("ns_method", method, []) for method in methods[1:]])
+    main_flags = ctx["main_flags"]
+    runs = ([("main", methods[0], main_flags)] + [("variant", methods[0], main_flags + f) for f in ctx["variants"]]
+            + [("ns_method", method, main_flags) for method in methods[1:]])
     table = rec.table("Training runs of train_gpt.py", run_columns())
     log_dir = os.path.join(ctx["out"], "train")
+    main_startup = None
     for i, (label, method, flags) in enumerate(runs):
-        name = variant_name(flags) if flags else method
+        name = run_name(method, flags)
         steps = ctx["steps"] if i == 0 else ctx["variant_steps"]
         remaining = ctx["deadline"] - time.time() - 5
-        if remaining < (10 if smoke else 90):
+        # another compile scope compiles afresh: it needs about the main run's start-up again
+        needed = 10 if smoke else max(90, (main_startup or 0) + 60) if label == "variant" else 90
+        if remaining < needed:
             rec.data["partial"] = True
-            again = (f"--ns-methods {method}" if label == "ns_method" else
-                     f"--ns-methods {method} --main-flags '{' '.join(flags)}' --variants ''")
+            again = f"--ns-methods {method}" + (f" --main-flags {shlex.quote(' '.join(flags))}" if flags else "")
             rec.note(f"{name}: not run, {remaining:.0f} s of the phase budget left (run `--phases env,train "
-                     f"--steps {steps} {again}` in another command; --merge adds its run to these)")
+                     f"--steps {steps} {again} --variants ''` in another command; --merge adds its run to these)")
             continue
         argv = base + ["--num_iterations", str(steps), "--val_tokens", str(val_tokens),
                        "--val_every", str(steps if i == 0 else 0), "--train_files", train_files,
@@ -1093,15 +1116,18 @@ def phase_train(rec, ctx):
         rec.value(f"run_{name}", figures)
         if i == 0:
             rec.value("main", dict(figures, ns_method=method, name=name))
+            main_startup = figures.get("startup_s")
         if status != 0:
             rec.data["errors"].append({"check": f"train run {name} (exit {status}), console tail",
                                        "traceback": "\n".join(line for _, line in lines[-40:])})
             rec.flush()
 
 
-def variant_name(flags):
-    """'--compile_scope blocks --x 1' -> 'compile_scope-blocks_x-1' (a --run_name, a report key)."""
-    return re.sub(r"[^A-Za-z0-9._-]", ".", "_".join(f"{n[2:]}-{v}" for n, v in zip(flags[::2], flags[1::2])))
+def run_name(method, flags):
+    """('newton_schulz', ['--compile_scope', 'blocks']) -> 'newton_schulz_compile_scope-blocks': a
+    --run_name and a report key, which tells every run of a merged report apart."""
+    pairs = [f"{n[2:]}-{v}" for n, v in zip(flags[::2], flags[1::2])]
+    return re.sub(r"[^A-Za-z0-9._-]", ".", "_".join([method] + pairs))
 
 
 def glob_files(pattern):
@@ -1325,11 +1351,11 @@ def combine_train(first, later):
     combined = json.loads(json.dumps(first))
     combined["values"].update({k: v for k, v in later["values"].items() if k != "main"})
     for table in later["tables"]:
-        same = [t for t in combined["tables"] if t["title"] == table["title"]]
+        same = [t for t in combined["tables"] if t["title"] == table["title"] and t["columns"] == table["columns"]]
         if same:   # the later main run joins as what it is beside the first: a variant or an ns_method
             flags = table["columns"].index("flags") if "flags" in table["columns"] else None
-            same[0]["rows"] += [[row[0] if row[0] != "main" else "variant" if flags and row[flags] else "ns_method"]
-                                + row[1:] for row in table["rows"]]
+            same[0]["rows"] += [[row[0] if row[0] != "main" else "variant" if flags is not None and row[flags]
+                                 else "ns_method"] + row[1:] for row in table["rows"]]
         else:
             combined["tables"].append(table)
     for key in ("notes", "errors"):

@@ -119,7 +119,7 @@ def test_smoke_train_figures(smoke):
     assert [r["run"] for r in runs] == ["main", "variant", "ns_method"] and all(r["exit"] == 0 for r in runs)
     assert runs[1]["flags"] == "--compile_scope blocks" and runs[1]["ns_method"] == runs[0]["ns_method"]
     assert runs[2]["ns_method"] != runs[0]["ns_method"]
-    variant_log = train["values"]["run_compile_scope-blocks"]["log"]
+    variant_log = train["values"][f"run_{runs[0]['ns_method']}_compile_scope-blocks"]["log"]
     assert "compile_scope=blocks" in Path(variant_log).read_text()  # the flag reached the trainer
     for split in ("train_000001", "val_000000"):
         assert (out / "data" / "fineweb10B" / f"fineweb_{split}.bin").exists()
@@ -147,9 +147,11 @@ def test_smoke_peer_copy_changes_exactly_two_lines(smoke):
     (["--steps", "20"], "--steps=20: must exceed 20"),
     (["--budget", "train=soon"], "--budget='train=soon'"),
     (["--ns-methods", "adam"], "--ns-methods: unknown method adam"),
-    (["--variants", "--compile_scope blocks;--bogus 1"], "--variants: --bogus: not an option of train_gpt.py"),
+    (["--variants", "--compile_scope blocks;--bogus 1"], "--variants: '--bogus 1': unknown option --bogus"),
+    (["--variants", "--compile_scope blok"], "--variants: '--compile_scope blok': --compile_scope='blok': expected one of"),
+    (["--variants", "--run_name x"], "--variants: --run_name: the proof sets it"),
     (["--variants", "--compile_scope blocks --ns_method"], "--variants: '--compile_scope blocks --ns_method': expected"),
-    (["--main-flags", "--compile_scop blocks"], "--main-flags: --compile_scop: not an option of train_gpt.py"),
+    (["--main-flags", "--compile_scop blocks"], "--main-flags: '--compile_scop blocks': unknown option --compile_scop (did you mean --compile_scope?)"),
 ])
 def test_bad_arguments_fail_in_one_line_before_any_work(tmp_path, args, message):
     out = tmp_path / "out"
@@ -234,7 +236,7 @@ def test_merge_adds_a_later_run_with_other_main_flags_as_a_variant(tmp_path):
     """The command a budget note gives for a left-out variant (--main-flags FLAGS --variants '')
     makes a report whose main run merges in as a variant of the first command's main run."""
     def train_report(flags, steady):
-        name = gpu_proof.variant_name(flags.split()) if flags else "newton_schulz"
+        name = gpu_proof.run_name("newton_schulz", flags.split())
         phase = fake_phase("train", values={"main": dict(ns_method="newton_schulz", name=name, steady_ms=steady, exit=0),
                                             f"run_{name}": dict(steady_ms=steady)})
         phase["tables"] = [{"title": "Training runs of train_gpt.py", "columns": ["run", "ns_method", "flags"],
@@ -246,7 +248,7 @@ def test_merge_adds_a_later_run_with_other_main_flags_as_a_variant(tmp_path):
         paths.append(str(tmp_path / str(i) / "report.json"))
     train = gpu_proof.merge_reports(paths)["phases"]["train"]
     assert train["values"]["main"]["steady_ms"] == 800.0
-    assert set(train["values"]) == {"main", "run_newton_schulz", "run_compile_scope-blocks"}
+    assert set(train["values"]) == {"main", "run_newton_schulz", "run_newton_schulz_compile_scope-blocks"}
     assert train["tables"][0]["rows"] == [["main", "newton_schulz", ""],
                                           ["variant", "newton_schulz", "--compile_scope blocks"]]
 

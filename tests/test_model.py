@@ -234,8 +234,9 @@ def test_compiled_blocks_stay_compiled_for_training_and_validation():
 @pytest.mark.parametrize("layout", ["fp32 sdpa", "bf16 sdpa fp8", "fp32 flex"])
 def test_whole_model_compiles_to_one_graph_for_training_and_one_for_validation(layout):
     """--compile_scope model, the record's: fullgraph=True, so a graph break anywhere in the forward
-    is an error; the window size is a tensor, so a later window makes no new graph. The compiled
-    step's loss and gradients are eager's, on CPU's path and in CUDA's dtype with its FP8 head;
+    is an error; the window size is a tensor, so a later window makes no new graph. The captured
+    step's loss and gradients are eager's (aot_eager: capture, not inductor's numerics), on CPU's
+    path and in CUDA's dtype with its FP8 head;
     FlexAttention (CUDA's attention) has no backward on CPU, so its graphs are captured without
     gradients."""
     import dataclasses
@@ -269,10 +270,10 @@ def test_whole_model_compiles_to_one_graph_for_training_and_one_for_validation(l
         model.eval()
         with torch.no_grad():
             model(*random_tokens(args.val_seq_len), torch.tensor(2))
-        graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+        graphs = counters["stats"]["unique_graphs"]  # (a graph break would have raised: fullgraph)
     finally:
         torch._dynamo.reset()
-    assert (graphs, breaks) == (2, 0)
+    assert graphs == 2
     assert losses[-1].item() == pytest.approx(eager.item(), rel=1e-6)
     if grad:
         for name, p in model.named_parameters():
