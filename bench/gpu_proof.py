@@ -152,7 +152,7 @@ def parse_args(argv):
             reserved = [n for n in names if n[2:].replace("-", "_") in PROOF_SETS]
             if reserved:
                 p.error(f"{option}: {reserved[0]}: the proof sets it (use --steps, --ns-methods)")
-            problem = trainer_config_error(flags, opts.cpu_smoke)
+            problem = flags and trainer_config_error(flags, opts.cpu_smoke)
             if problem:
                 p.error(f"{option}: {' '.join(flags)!r}: {problem}")
     if opts.peer is not None and not os.path.isfile(opts.peer):
