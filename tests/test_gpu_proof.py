@@ -213,17 +213,29 @@ def test_merge_combines_commands_and_compares_with_the_peer(tmp_path):
         gpu_proof.merge_reports(paths + [str(tmp_path / "h200" / "report.json")])
 
 
-def test_merge_adds_a_later_train_run_and_keeps_the_first_main_run(tmp_path):
-    def train_report(method, steady):
-        phase = fake_phase("train", values={"main": dict(ns_method=method, steady_ms=steady, exit=0),
-                                            f"run_{method}": dict(steady_ms=steady)})
-        phase["tables"] = [{"title": "Training runs of train_gpt.py", "columns": ["run", "ns_method"],
-                            "rows": [["main", method]]}]
-        return gpu_proof.build_report({"train": phase}, [method], False)
+def train_report(method, steady, flags=None):
+    """A report of one train command whose main run is `method` (with `flags`; None: a report
+    written before runs had flags, without the flags column)."""
+    name = gpu_proof.run_name(method, (flags or "").split())
+    main = dict(ns_method=method, steady_ms=steady, exit=0, **({} if flags is None else {"name": name}))
+    phase = fake_phase("train", values={"main": main, f"run_{name}": dict(steady_ms=steady)})
+    columns, row = ["run", "ns_method"], ["main", method]
+    if flags is not None:
+        columns, row = columns + ["flags"], row + [flags]
+    phase["tables"] = [{"title": "Training runs of train_gpt.py", "columns": columns, "rows": [row]}]
+    return gpu_proof.build_report({"train": phase}, [method], False)
+
+
+def written(tmp_path, *reports):
     paths = []
-    for i, report in enumerate((train_report("newton_schulz", 800.0), train_report("aol", 790.0))):
+    for i, report in enumerate(reports):
         gpu_proof.write_report(str(tmp_path / str(i)), report)
         paths.append(str(tmp_path / str(i) / "report.json"))
+    return paths
+
+
+def test_merge_adds_a_later_train_run_and_keeps_the_first_main_run(tmp_path):
+    paths = written(tmp_path, train_report("newton_schulz", 800.0), train_report("aol", 790.0))
     train = gpu_proof.merge_reports(paths)["phases"]["train"]
     assert train["values"]["main"]["ns_method"] == "newton_schulz"
     assert set(train["values"]) == {"main", "run_newton_schulz", "run_aol"}
@@ -235,17 +247,8 @@ def test_merge_adds_a_later_train_run_and_keeps_the_first_main_run(tmp_path):
 def test_merge_adds_a_later_run_with_other_main_flags_as_a_variant(tmp_path):
     """The command a budget note gives for a left-out variant (--main-flags FLAGS --variants '')
     makes a report whose main run merges in as a variant of the first command's main run."""
-    def train_report(flags, steady):
-        name = gpu_proof.run_name("newton_schulz", flags.split())
-        phase = fake_phase("train", values={"main": dict(ns_method="newton_schulz", name=name, steady_ms=steady, exit=0),
-                                            f"run_{name}": dict(steady_ms=steady)})
-        phase["tables"] = [{"title": "Training runs of train_gpt.py", "columns": ["run", "ns_method", "flags"],
-                            "rows": [["main", "newton_schulz", flags]]}]
-        return gpu_proof.build_report({"train": phase}, [flags], False)
-    paths = []
-    for i, report in enumerate((train_report("", 800.0), train_report("--compile_scope blocks", 830.0))):
-        gpu_proof.write_report(str(tmp_path / str(i)), report)
-        paths.append(str(tmp_path / str(i) / "report.json"))
+    paths = written(tmp_path, train_report("newton_schulz", 800.0, ""),
+                    train_report("newton_schulz", 830.0, "--compile_scope blocks"))
     train = gpu_proof.merge_reports(paths)["phases"]["train"]
     assert train["values"]["main"]["steady_ms"] == 800.0
     assert set(train["values"]) == {"main", "run_newton_schulz", "run_newton_schulz_compile_scope-blocks"}
