@@ -117,29 +117,23 @@ def test_bad_shard_found_in_the_loop_is_a_data_error_not_a_crash(tmp_path, make_
     assert "Traceback" not in body[-5:]
 
 
-def test_bad_shard_found_by_one_rank_in_the_loop_is_named_by_that_rank(make_shards, capsys):
+def test_bad_shard_found_by_one_rank_in_the_loop_is_named_by_that_rank(make_shards, monkeypatch):
     """Ranks read their own windows: an I/O error may hit one rank only. That rank says so (rank 0's
     console line alone would only say that a peer is gone) and touches no collective after it."""
     train_glob, val_glob, _ = make_shards()
     args = train_gpt.Hyperparameters(**dict(TINY, train_files=train_glob, val_files=val_glob, num_iterations=8,
                                             val_every=0, micro_batches=2))
     train_gpt.check_config(args, 2, False)
-
     collectives, at_failure = [], []
 
     def unreadable(self, device):
         at_failure.append(len(collectives))
         raise train_gpt.DataError("fineweb_train_000002.bin: cannot read (Input/output error)")
     lines = []
-    original = train_gpt.TrainBatches.next_batch
-    train_gpt.TrainBatches.next_batch = unreadable
-    try:
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(train_gpt.dist, "all_reduce", lambda *a, **k: collectives.append(a))
-            result = train_gpt.train(args, train_gpt.Ranks(1, 1, 2, 2), train_gpt.Hardware.detect(args),
-                                     lambda text, console=True: lines.append(text))
-    finally:
-        train_gpt.TrainBatches.next_batch = original
+    monkeypatch.setattr(train_gpt.TrainBatches, "next_batch", unreadable)
+    monkeypatch.setattr(train_gpt.dist, "all_reduce", lambda *a, **k: collectives.append(a))
+    result = train_gpt.train(args, train_gpt.Ranks(1, 1, 2, 2), train_gpt.Hardware.detect(args),
+                             lambda text, console=True: lines.append(text))
     assert result.crashed and not result.traceback_logged and result.exit_code == train_gpt.EXIT_ERROR
     assert result.failure == "rank 1: fineweb_train_000002.bin: cannot read (Input/output error)"
     assert lines[-2] == result.failure and PEAK.match(lines[-1])
