@@ -54,6 +54,8 @@ try:  # Triton is optional: without it the PyTorch orthogonalizer serves everywh
 except ImportError:  # pragma: no cover - exercised only where triton is missing
     triton = None
     tl = None
+# Triton reads this when its kernels are defined (at import): they then run on CPU tensors.
+TRITON_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 BOS_TOKEN = 50256  # GPT-2's <|endoftext|>; every document in a shard starts with it
 
@@ -75,7 +77,7 @@ class Hyperparameters:
     preset: str = "speedrun"            # speedrun (default with CUDA) or cpu (default without)
     run_name: str = "dev"               # logs go to records/<date>_<run_name>/<run_id>.txt
     log_dir: str = "records"            # folder of the run logs (created if missing)
-    seed: int = 0                       # model initialization (warmup tokens use seed + 1)
+    seed: int = 0                       # model initialization (warmup tokens use seed + 1); --sample's draws
     target_val_loss: float = 3.28       # the track's target, written into the log for records/compare.py
     # data
     train_files: str = "data/fineweb10B/fineweb_train_*.bin"  # glob of training shards, read in name order
@@ -114,13 +116,13 @@ class Hyperparameters:
     embed_lr_mult: float = 75.0         # embeddings train at adam_lr * 75
     head_lr_mult: float = 1.0           # lm_head trains at adam_lr * this
     scalar_lr_mult: float = 5.0         # scalar parameters train at adam_lr * this
-    adam_shard_min_numel: int = 65536   # Adam parameters at least this big are row-sharded; smaller ones all-reduced
+    adam_shard_min_numel: int = 65536   # Adam matrices at least this big are row-sharded; the rest all-reduced
     muon_lr: float = 0.05               # Muon learning rate of the block matrices
     muon_momentum_start: float = 0.85   # Muon momentum at step 0 ...
     muon_momentum_end: float = 0.95     # ... rising linearly to this
     muon_momentum_warmup_steps: int = 300  # ... over this many steps
     muon_bucket_matrices: int = 8       # matrices per gradient reduce-scatter (rounded up to a multiple of world size)
-    matrix_optimizer: str = "muon"      # muon, or adam: the block matrices train with Adam (Muon's gain as a floor)
+    matrix_optimizer: str = "muon"      # muon, or adam: block matrices on Adam too (the baseline for Muon)
     matrix_lr_mult: float = 1.0         # with matrix_optimizer=adam the block matrices train at adam_lr * this
     ns_method: str = "newton_schulz"    # newton_schulz (the record's), polar_express or aol (Turbo-Muon)
     ns_coeffs: str = ""                 # "a,b,c;a,b,c;...": replaces ns_method's table, one quintic per step
@@ -196,6 +198,10 @@ NS_BACKENDS = ("torch", "triton")
 CHOICES = dict(preset=tuple(PRESETS), ns_method=NS_METHODS, ns_backend=("auto",) + NS_BACKENDS,
                muon_update_scale=("record", "moonlight"), matrix_optimizer=("muon", "adam"), device=("auto", "cpu", "cuda"),
                compile_scope=("model", "blocks"))
+
+
+def uses_cuda(args, cuda_available):
+    return args.device == "cuda" or (args.device == "auto" and cuda_available)
 
 
 class ConfigError(ValueError):
@@ -383,7 +389,7 @@ def check_config(args, world_size, cuda_available):
     need(world_size >= 1 and args.micro_batches % world_size == 0,
          f"--micro_batches={args.micro_batches}: world size {world_size} must divide it ("
          + ("launch a number of processes that divides it, e.g. 1, 2, 4 or 8 for the speedrun's 8, or "
-            if cuda_available and args.device != "cpu" else "")
+            if uses_cuda(args, cuda_available) else "")
          + f"set --micro_batches={fitting} or another multiple of {world_size})")
     bs = args.attn_block_size
     for name in ["train_seq_len", "val_seq_len"]:
@@ -396,6 +402,8 @@ def check_config(args, world_size, cuda_available):
          f"--head_dim={args.head_dim}: num_heads x head_dim must equal model_dim={args.model_dim} "
          f"(the q,k,v,o weights are one (4, dim, dim) tensor)")
     need(args.head_dim % 4 == 0, f"--head_dim={args.head_dim}: must be a multiple of 4 (half-truncated rotary)")
+    need(args.num_layers >= 2, f"--num_layers={args.num_layers}: must be at least 2 (the U-net skips join an encoder "
+         "block to a decoder block)")
     need(args.model_dim >= 12, f"--model_dim={args.model_dim}: must be at least 12 (the attention gate reads 12 dims)")
     need(len(args.window_pattern) == args.num_layers and set(args.window_pattern) <= {"L", "S"},
          f"--window_pattern={args.window_pattern!r}: needs one letter L or S per layer ({args.num_layers})")
@@ -408,18 +416,16 @@ def check_config(args, world_size, cuda_available):
          f"--attention_free_layers={args.attention_free_layers!r}: indices must lie in [0, {args.num_layers})")
     need(2 * args.num_value_embeds <= args.num_layers,
          f"--num_value_embeds={args.num_value_embeds}: needs at least twice as many layers ({args.num_layers})")
-    n_ve = args.num_value_embeds
-    value_embed_layers = set(range(n_ve)) | set(range(args.num_layers - n_ve, args.num_layers))
-    need(not value_embed_layers & set(free),
-         f"--attention_free_layers={args.attention_free_layers!r}: blocks {sorted(value_embed_layers & set(free))} "
-         f"take value embeddings (num_value_embeds={n_ve}) and need attention")
+    with_value_embeds = [i for i in free if value_embed_of_layer(args)[i] is not None]
+    need(not with_value_embeds,
+         f"--attention_free_layers={args.attention_free_layers!r}: blocks {with_value_embeds} "
+         f"take value embeddings (num_value_embeds={args.num_value_embeds}) and need attention")
     parse_ns_coeffs(args.ns_coeffs)
     for name, allowed in CHOICES.items():
         need(getattr(args, name) in allowed, f"--{name}={getattr(args, name)!r}: expected one of {', '.join(allowed)}")
     need(args.device != "cuda" or cuda_available, "--device=cuda: no CUDA device is available")
-    uses_cuda = args.device == "cuda" or (args.device == "auto" and cuda_available)
     need(args.ns_backend != "triton" or triton is not None, "--ns_backend=triton: triton is not installed")
-    need(args.ns_backend != "triton" or uses_cuda or os.environ.get("TRITON_INTERPRET") == "1",
+    need(args.ns_backend != "triton" or uses_cuda(args, cuda_available) or TRITON_INTERPRETING,
          "--ns_backend=triton: needs a CUDA device (or TRITON_INTERPRET=1 for tests)")
     need(not args.checkpoint_every or args.save_checkpoint,
          f"--checkpoint_every={args.checkpoint_every}: needs --save_checkpoint true")
@@ -428,10 +434,11 @@ def check_config(args, world_size, cuda_available):
 # -----------------------------------------------------------------------------------------------
 # 2. Hardware and ranks
 #
-# CPU and GPU run the same code except in the few places collected here: the compute dtype,
-# the attention kernel, the FP8 head, the orthogonalization backend, the process-group backend
-# and how peak memory is measured. Ranks come from torchrun's environment; without torchrun the
-# script is a single process and creates no process group.
+# CPU and GPU run the same code except for what Hardware holds: the compute dtype, the attention
+# kernel, the FP8 head, the orthogonalization backend and the process-group backend (elsewhere a
+# branch on hw.device.type: peak memory, pinned memory, synchronization). Ranks come from
+# torchrun's environment; without torchrun the script is a single process and creates no process
+# group.
 
 @dataclass
 class Hardware:
@@ -446,7 +453,7 @@ class Hardware:
     def detect(args, ranks=None):
         """The device of this process: on CUDA, GPU number LOCAL_RANK of its machine."""
         ranks = ranks or Ranks()
-        use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+        use_cuda = uses_cuda(args, torch.cuda.is_available())
         if args.ns_backend != "auto":
             ns_backend = args.ns_backend
         else:
@@ -536,7 +543,7 @@ def init_process_group(args, ranks, hw):
     try:
         dist.init_process_group(hw.dist_backend, rank=ranks.rank, world_size=ranks.world_size, timeout=timeout,
                                 **kwargs)
-    except (RuntimeError, ValueError, dist.DistError) as e:  # ValueError: an unusable MASTER_ADDR/PORT
+    except (RuntimeError, ValueError) as e:  # DistError is a RuntimeError; ValueError: a bad MASTER_ADDR/PORT
         raise RankMismatch(f"rank {ranks.rank}: could not join {ranks.world_size} ranks within "
                            f"--dist_timeout_s={args.dist_timeout_s} ({first_line(e)})") from None
     check_ranks_agree(args, ranks, hw)
@@ -619,9 +626,8 @@ class Collectives:
 # "polar_express" (Frobenius normalization, 5 steps each) and "aol" (Turbo-Muon: AOL row
 # scaling, a free by-product of the first Gram, guarantees ||X||_2 <= 1 without a Frobenius
 # normalization, so one step is saved; opt-in until measured on the speedrun).
-# AOL iterates on diag(s) G and so converges to its polar factor, not exactly G's:
-# 0.3% relative on Gaussian 768x3072, but 18-39% (mean 25%) on the captured momentum matrices,
-# whose row norms differ a lot (bench/orthogonalize.py prints this floor).
+# AOL iterates on diag(s) G and so converges to that matrix's polar factor, not G's: close on
+# Gaussian matrices, far on real momenta, whose row norms differ a lot (bench/orthogonalize.py).
 # Backends: "torch" is the readable twin and the reference; "triton" runs the same
 # algorithm with kernels that compute only half of every symmetric product.
 # The Frobenius norm is read from the first Gram's diagonal (||X||_F^2 = tr XX^T),
@@ -640,18 +646,11 @@ POLAR_EXPRESS_COEFFS = [
     (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
 ]
 
-# Four steps after AOL, chosen by loss rather than by polar error: Polar Express's greedy minimax
-# composition for [1e-3, 1], the last step capped so that the largest singular value is 1, not
-# 1 + E (bench/derive_aol_coeffs.py, cap_final). In the cpu-preset A/B it was the one 4-step table
-# not worse than NS5 in loss, at 4/5 of its GEMM FLOPs (README, "A/B of optimizer options").
-# Callers read the module attribute at call time, so assigning a new list swaps it everywhere.
+# Four steps after AOL, chosen by loss rather than by polar error (README, "A/B of optimizer
+# options"): Polar Express's first three, then a fourth capped so that the largest singular value
+# is 1, not 1 + E (bench/derive_aol_coeffs.py, cap_final).
 AOL_COEFFS_LOWER_BOUND = 1e-3  # the l the table was derived for
-AOL_COEFFS = [
-    (8.156554524902461, -22.483292925577953, 15.878769915207466),
-    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
-    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
-    (2.1272002635096783, -1.595067874749505, 0.3254997506575241),
-]
+AOL_COEFFS = POLAR_EXPRESS_COEFFS[:3] + [(2.1272002635096783, -1.595067874749505, 0.3254997506575241)]
 
 # Floors for the first-step scale. AOL's floor only guards all-zero rows (any row
 # sum below it gets a smaller scale, which keeps the Schur bound); it is tiny so
@@ -776,8 +775,6 @@ def orthogonalize(G: torch.Tensor, method: str = "newton_schulz", backend: str =
 # diag(s) X and diag(s) A diag(s) are never written to memory.
 # Any strides are accepted, so a tall matrix is processed as its transposed view and
 # the last step writes straight into the caller's layout.
-
-TRITON_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _square_tile_configs():
@@ -1218,7 +1215,7 @@ class ShardedMuonAdam:
             owned = sum(b.per_rank for b in buckets)
             padded = sum(b.padded for b in buckets)
             grad_stack = torch.zeros(padded, *shape, device=device)  # zero rows stay zero: padding
-            group = dict(shape=shape, buckets=buckets, grad_stack=grad_stack,
+            group = dict(buckets=buckets, grad_stack=grad_stack,
                          reduced=torch.empty(owned, *shape, device=device) if W > 1 else grad_stack,
                          param_stack=torch.empty(padded, *shape, device=device) if W > 1 else None,
                          momentum=torch.zeros(owned, *shape, device=device),
@@ -1262,7 +1259,7 @@ class ShardedMuonAdam:
         for unit in self.units:
             for p in unit.params:
                 self._units_of.setdefault(id(p), []).append(unit)
-        if args.overlap_comms:
+        if args.overlap_comms and W > 1:  # alone, a rank has nothing to send
             for s in specs:
                 s.param.register_post_accumulate_grad_hook(self._on_grad_final)
 
@@ -1735,9 +1732,7 @@ class Block(nn.Module):
 # soft-capped logit is at most 1 in magnitude. Static scales cost no amax pass over the 4.9 GB
 # logit gradient. It is a custom op, opaque to torch.compile, as in the record; on CUDA each of its
 # two bodies is compiled whole: the gradient's scaling, rounding and transposed copy become one
-# pass, and the scale tensors are made without a host sync. On an H100 the eager backward took
-# 30.5 ms per 48Ki-token micro-batch (the transposed copy of the 2.5 GB float8 gradient alone 18 ms),
-# compiled 8.9 ms (bench/fp8_head.py): 952 -> 830 ms per speedrun step (records/gpu_proof/).
+# pass, and the scale tensors are made without a host sync (README, "On a GPU", has the timings).
 
 def fp8_head_scales(model_dim):
     """(x_scale, w_scale, grad_scale): the values the FP8 operands are divided by."""
@@ -1765,13 +1760,10 @@ def _fp8_mm_backward(grad, x8, w8, x_scale, w_scale, grad_scale):
 
 @functools.cache
 def _compiled(fn, backend="inductor"):
-    """fn compiled, and called below the ADInplaceOrView dispatch key. AOT autograd runs the first
-    call of each compiled graph (here: the compiled head's) under a dispatch mode that checks custom
-    ops for aliasing, and a custom op's body then runs with that key excluded; later calls run with
-    it. The key is part of what the compiled fn's guards check, so the body's graph would be
-    captured again at the head's second call; excluding it on every call makes every call match
-    the first graph. (The alternative, torch._functorch.config.
-    check_custom_op_aliasing = False, would switch that check off for every custom op.)"""
+    """fn compiled, and called below the ADInplaceOrView dispatch key: AOT autograd's first call
+    of a graph runs custom-op bodies with that key excluded (its aliasing check), later calls with
+    it, and the key is guarded, so the body would be captured twice. (Switching the check off,
+    torch._functorch.config.check_custom_op_aliasing, would do so for every custom op.)"""
     compiled = torch.compile(fn, dynamic=False, backend=backend)
 
     @functools.wraps(fn)
@@ -1834,6 +1826,13 @@ def fp8_matmul(x, w, x_scale, w_scale, grad_scale):
 VAL_HEAD_CHUNK = 32768  # validation rows per head pass: (32768 x 50304) fp32 logits are 6.6 GB
 
 
+def value_embed_of_layer(args):
+    """Per block, the value embedding it adds (None: none). Embedding i feeds block i and block
+    L-n+i: the 012...012 pattern."""
+    L, n = args.num_layers, args.num_value_embeds
+    return [i if i < n else (i - (L - n) if i >= L - n else None) for i in range(L)]
+
+
 class GPT(nn.Module):
     def __init__(self, args, hw):
         super().__init__()
@@ -1845,9 +1844,7 @@ class GPT(nn.Module):
         if args.bf16_embeds:  # as in the record: half the memory and half the bytes on the wire
             self.embed.bfloat16()
             self.value_embeds.bfloat16()
-        n_ve = args.num_value_embeds
-        # Value embedding i feeds block i and block L-n_ve+i: the 012...012 pattern.
-        self.value_embed_of_layer = [i if i < n_ve else (i - (L - n_ve) if i >= L - n_ve else None) for i in range(L)]
+        self.value_embed_of_layer = value_embed_of_layer(args)
         self.blocks = nn.ModuleList(Block(args, i, self.rotary, self.value_embed_of_layer[i] is not None)
                                     for i in range(L))
         self.skip_weights = nn.Parameter(torch.ones(L // 2))
@@ -1963,8 +1960,8 @@ def long_window_blocks_at(step, args):
 # Shards: a 256 x int32 header (magic 20240520, version 1, token count) then uint16 tokens
 # (data/shards.py writes them). Every micro-batch is a window of seq_len+1 tokens that starts at
 # a BOS token; the next window starts at the first BOS at or after the end of the previous one's
-# inputs, so windows never overlap and the tokens skipped between them are only the tail of a
-# document. As in the record, a step's windows come from one shard: a step starts in the next
+# inputs, so no token is an input twice and the tokens skipped between windows are only the tail
+# of a document. As in the record, a step's windows come from one shard: a step starts in the next
 # shard when fewer than 2 x (windows per step) x seq_len tokens are left, and the rest of the
 # shard is dropped. Windows are numbered globally and rank r takes windows r, r+W, r+2W, ...:
 # the data a step sees is the same for every world size (and the record's token stream). The
@@ -2353,7 +2350,8 @@ def peak_memory_line(hw):
     if hw.device.type == "cuda":
         return (f"peak memory allocated: {torch.cuda.max_memory_allocated(hw.device) // 1024 // 1024} MiB "
                 f"reserved: {torch.cuda.max_memory_reserved(hw.device) // 1024 // 1024} MiB")
-    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024  # CPU: the process's peak RSS
+    # CPU: the process's peak RSS, which getrusage gives in KiB (bytes on macOS)
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // (2**20 if sys.platform == "darwin" else 1024)
     return f"peak memory allocated: {peak_rss} MiB reserved: {peak_rss} MiB"
 
 
@@ -2363,7 +2361,8 @@ def synchronize(hw):
 
 
 def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
-    """Build everything and run the timed training loop; returns the losses seen.
+    """Build everything and run the timed training loop; returns a TrainResult (losses, steps,
+    time, and how the run ended).
     on_step(step, model, optimizer), if given, runs after each optimizer step (tests use it).
     stop: the StopSignals main() installed (None: signals are not watched)."""
     stop = stop or StopSignals()
@@ -2475,8 +2474,11 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
 
     training_time_ms = 0.0
     step = 0
+    resumed_loader = None
     if checkpoint is not None:
         step, training_time_ms = restore_checkpoint(checkpoint, args.resume, model, optimizer, ranks, hw, log)
+        resumed_loader = checkpoint["loader"]
+        checkpoint = None  # unmaps the file: its weights and optimizer state are copied in now
     first_step = step  # step_losses[i] is the loss of step first_step + i + 1
     synchronize(hw)
     t0 = time.perf_counter()
@@ -2508,8 +2510,8 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
                 if batches is None:  # reads and indexes the first shard, starts the prefetch thread
                     batches = TrainBatches(train_files, args.train_seq_len, ranks.rank, ranks.world_size,
                                            args.vocab_size, pin, windows_per_step=args.micro_batches)
-                    if checkpoint is not None and checkpoint["loader"] is not None:
-                        batches.restore(checkpoint["loader"])
+                    if resumed_loader is not None:
+                        batches.restore(resumed_loader)
                 step_losses.append(train_step(step, functools.partial(batches.next_batch, hw.device)))
             except DataExhausted as e:
                 result.stopped_early = str(e)
@@ -2539,20 +2541,21 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
         result.exit_code, result.crashed = EXIT_ERROR, True
     if result.failure and (result.exit_code != EXIT_ERROR or result.crashed):
         log(result.failure, console=not result.crashed)  # main() prints a crash (on every rank) and a failed write
-    if args.save_checkpoint and result.failure is None:  # the clock stopped at the final validation
-        result.checkpoint_error = save_checkpoint(checkpoint_path, step, training_time_ms, args, ranks, model,
-                                                  optimizer, batches, result, log)
-    log(peak_memory_line(hw))
-
-    if step_losses and not result.crashed:  # after a crash the device or the other ranks may be gone
-        losses = torch.stack(step_losses)
-        if ranks.world_size > 1:
-            dist.all_reduce(losses, op=dist.ReduceOp.AVG)
-        result.train_losses = losses.tolist()
+    try:
+        if args.save_checkpoint and result.failure is None:  # the clock stopped at the final validation
+            result.checkpoint_error = save_checkpoint(checkpoint_path, step, training_time_ms, args, ranks, model,
+                                                      optimizer, batches, result, log)
+        log(peak_memory_line(hw))
+        if step_losses and not result.crashed:  # after a crash the device or the other ranks may be gone
+            losses = torch.stack(step_losses)
+            if ranks.world_size > 1:
+                dist.all_reduce(losses, op=dist.ReduceOp.AVG)
+            result.train_losses = losses.tolist()
+    finally:
+        if batches is not None:
+            batches.close()
     result.steps_done = step
     result.train_time_ms = training_time_ms
-    if batches is not None:
-        batches.close()
     return result
 
 
@@ -2741,9 +2744,9 @@ def sample_main(args):
     trained = Hyperparameters(**checkpoint["config"])
     if args.threads:
         torch.set_num_threads(args.threads)
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda") if cuda else torch.device("cpu")
-    hw = Hardware(device, torch.bfloat16 if cuda else torch.float32, "sdpa", False, "torch", "gloo")
+    # The device --device picks; dense attention and the plain head for one growing sequence.
+    hw = dataclasses.replace(Hardware.detect(args), attention="sdpa", fp8_head=False, ns_backend="torch")
+    device = hw.device
     model = GPT(trained, hw).to(device).eval()
     try:
         model.load_state_dict(checkpoint["model"])

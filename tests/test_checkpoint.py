@@ -250,6 +250,15 @@ def test_sampling_is_deterministic_for_a_seed(single, capsys):
     assert greedy == sample(capsys, path, "--prompt", "The", "--temperature", "0", "--seed", "2")
 
 
+def test_sampling_runs_on_the_device_asked_for(single, capsys, monkeypatch):
+    """--device cpu on a machine with a GPU samples on the CPU (it once took the GPU regardless)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    path = single["step3"]
+    assert train_gpt.main(["--sample", str(path), "--max_new_tokens", "4", "--device", "cpu"], {}) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() and f" on cpu from {path} " in err
+
+
 def test_sampling_from_an_untrained_model_runs():
     args = train_gpt.parse_config(tiny_argv(), {}, 1, False)
     hw = train_gpt.Hardware.detect(args)

@@ -54,6 +54,7 @@ BAD = [
     (["--ns_method", "svd"], {}, 1, "--ns_method"),
     (["--run_name", "../escape"], {}, 1, "--run_name"),
     (["--window_pattern", "LLL"], {}, 1, "--window_pattern"),
+    (["--num_layers", "1", "--window_pattern", "L", "--num_value_embeds", "0"], {}, 1, "--num_layers=1: must be at least 2"),
     (["--num_heads", "3"], {}, 1, "num_heads x head_dim"),
     (["--cooldown_frac", "1.5"], {}, 1, "--cooldown_frac"),
     (["--preset", "gpu"], {}, 1, "--preset"),
