@@ -2628,8 +2628,11 @@ def save_checkpoint(path, step, train_time_ms, args, ranks, model, optimizer, ba
                  loader=batches.state() if batches is not None else None, val_losses=list(result.val_losses))
     try:
         write_atomically(state, path)
-    except OSError as e:
-        message = f"checkpoint not written: {path}: {e.strerror or e}"
+    except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError from the OSError
+        io_error = e if isinstance(e, OSError) else e.__context__
+        if not isinstance(io_error, OSError):
+            raise
+        message = f"checkpoint not written: {path}: {io_error.strerror or io_error}"
         log(message)
         return message
     log(f"checkpoint: step {step} saved to {path} "

@@ -3,6 +3,7 @@ same model (bit for bit at world size 1, within the multi-process tolerance when
 changes), a crash while writing never leaves a .pt, a checkpoint of another configuration is
 refused in one line, and sampling is deterministic for a seed and runs on an untrained model."""
 
+import io
 import os
 import shutil
 import subprocess
@@ -195,6 +196,27 @@ def crash_on_save(obj, f):
     raise OSError(28, "No space left on device")
 
 
+REAL_SAVE = torch.save
+
+
+def disk_full_after_4k(obj, f):
+    """The real torch.save into a file that fills up: torch reports that as a RuntimeError
+    ("unexpected pos ...") whose context is the OSError."""
+    class FullDisk(io.RawIOBase):
+        written = 0
+
+        def writable(self):
+            return True
+
+        def write(self, b):
+            if self.written + len(b) > 4096:
+                raise OSError(28, "No space left on device")
+            f.write(b)
+            self.written += len(b)
+            return len(b)
+    REAL_SAVE(obj, FullDisk())
+
+
 def test_a_crash_while_writing_leaves_no_checkpoint(tmp_path, monkeypatch):
     path = tmp_path / "run.pt"
     monkeypatch.setattr(torch, "save", crash_on_save)
@@ -214,8 +236,18 @@ def test_a_crash_while_writing_leaves_no_checkpoint(tmp_path, monkeypatch):
     assert [p.name.startswith(".run.pt.") and p.name.endswith(".tmp") for p in tmp_path.glob(".*")] == [True]
 
 
-def test_a_full_disk_at_the_end_still_ends_in_one_line_and_a_complete_log(data, tmp_path, monkeypatch):
-    monkeypatch.setattr(torch, "save", crash_on_save)
+def test_a_full_disk_at_a_periodic_checkpoint_lets_training_go_on(data, tmp_path, monkeypatch):
+    monkeypatch.setattr(torch, "save", disk_full_after_4k)
+    result, path, text = run(tiny_argv(**data, num_iterations=3, val_every=0, save_checkpoint=True,
+                                       checkpoint_every=1, log_dir=tmp_path))
+    assert result.steps_done == 3 and result.failure is None and len(result.train_losses) == 3
+    failed = [line for line in text.splitlines() if line.startswith("checkpoint not written: ")]
+    assert failed == [f"checkpoint not written: {path}: No space left on device"] * 3  # steps 1, 2 and the end
+
+
+@pytest.mark.parametrize("save", [crash_on_save, disk_full_after_4k], ids=["oserror", "torch_runtimeerror"])
+def test_a_full_disk_at_the_end_still_ends_in_one_line_and_a_complete_log(data, tmp_path, monkeypatch, save):
+    monkeypatch.setattr(torch, "save", save)
     result, path, text = run(tiny_argv(**data, num_iterations=2, val_every=0, save_checkpoint=True,
                                        log_dir=tmp_path))
     assert result.checkpoint_error == f"checkpoint not written: {path}: No space left on device"
