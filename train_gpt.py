@@ -230,18 +230,19 @@ class HelpRequested(Exception):
     pass
 
 
-def _parse_value(name, text, kind):
+def _parse_value(option, text, kind):
+    """option: how the user set it (--name, or NAME in the environment), for the error."""
     if kind is bool:
         lowered = text.strip().lower()
         if lowered in ("1", "true", "yes", "on"):
             return True
         if lowered in ("0", "false", "no", "off"):
             return False
-        raise ConfigError(f"--{name}={text!r}: expected a boolean (true/false/1/0)")
+        raise ConfigError(f"{option}={text!r}: expected a boolean (true/false/1/0)")
     try:
         return kind(text)
     except ValueError:
-        raise ConfigError(f"--{name}={text!r}: expected {kind.__name__}") from None
+        raise ConfigError(f"{option}={text!r}: expected {kind.__name__}") from None
 
 
 def parse_config(argv, environ, world_size=1, cuda_available=None):
@@ -277,9 +278,9 @@ def parse_config(argv, environ, world_size=1, cuda_available=None):
     values = dict(PRESETS[preset], preset=preset)
     for name, kind in kinds.items():
         if name in cli:
-            values[name] = _parse_value(name, cli[name], kind)
+            values[name] = _parse_value(f"--{name}", cli[name], kind)
         elif name.upper() in environ:
-            values[name] = _parse_value(name, environ[name.upper()], kind)
+            values[name] = _parse_value(name.upper(), environ[name.upper()], kind)
     args = Hyperparameters(**values)
     if help_requested:  # after the overrides, so the help shows the values this run would use
         raise HelpRequested(config_help(args, cuda_available))
@@ -427,6 +428,8 @@ def check_config(args, world_size, cuda_available):
     need(args.ns_backend != "triton" or triton is not None, "--ns_backend=triton: triton is not installed")
     need(args.ns_backend != "triton" or uses_cuda(args, cuda_available) or TRITON_INTERPRETING,
          "--ns_backend=triton: needs a CUDA device (or TRITON_INTERPRET=1 for tests)")
+    need(not args.prompt or args.sample, "--prompt: only --sample reads it (--sample CHECKPOINT --prompt TEXT)")
+    need(not (args.sample and args.resume), "--sample and --resume: choose one (sampling trains nothing)")
     need(not args.checkpoint_every or args.save_checkpoint,
          f"--checkpoint_every={args.checkpoint_every}: needs --save_checkpoint true")
 
@@ -2644,9 +2647,19 @@ def read_checkpoint(path, option, args=None):
     """Load a checkpoint on the CPU (memory-mapped); with args, refuse it unless it was trained with
     the same configuration, naming every field that differs. Errors are ConfigErrors naming --option."""
     try:
+        with open(path, "rb") as f:
+            is_zip = f.read(4) == b"PK\x03\x04"  # torch.save writes zip files
+        if not is_zip:
+            raise ConfigError(f"--{option}={path!r}: not a checkpoint written by train_gpt.py (not a torch.save file)")
         checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except FileNotFoundError:
         raise ConfigError(f"--{option}={path!r}: no such file") from None
+    except IsADirectoryError:
+        raise ConfigError(f"--{option}={path!r}: is a folder, not a checkpoint file") from None
+    except OSError as e:
+        raise ConfigError(f"--{option}={path!r}: cannot read ({e.strerror or e})") from None
+    except ConfigError:
+        raise
     except Exception as e:  # torch raises many kinds for a file that is not a checkpoint
         raise ConfigError(f"--{option}={path!r}: not a checkpoint written by train_gpt.py, or a damaged one "
                           f"(torch.load: {first_line(e)})") from None
@@ -2659,6 +2672,9 @@ def read_checkpoint(path, option, args=None):
         if differ:
             raise ConfigError(f"--{option}={path!r}: trained with a different configuration: " + ", ".join(
                 f"{n}={saved.get(n, '(absent)')!r} there, {here.get(n, '(absent)')!r} here" for n in differ))
+        if checkpoint["step"] >= args.num_iterations:
+            raise ConfigError(f"--{option}={path!r}: saved at the run's last step ({checkpoint['step']}/"
+                              f"{args.num_iterations}); nothing is left to train")
     return checkpoint
 
 

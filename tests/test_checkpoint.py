@@ -172,11 +172,31 @@ def test_a_checkpoint_of_another_configuration_is_refused(single, tmp_path, caps
     # files that are not checkpoints
     (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
     torch.save({"weights": torch.zeros(2)}, tmp_path / "other.pt")
-    for name, message in [("junk.pt", "not a checkpoint written by train_gpt.py, or a damaged one (torch.load: "), ("other.pt", "not a checkpoint written by"),
-                          ("missing.pt", "no such file")]:
+    (tmp_path / "cut.pt").write_bytes((tmp_path / "other.pt").read_bytes()[:300])
+    (tmp_path / "folder.pt").mkdir()
+    for name, message in [("junk.pt", "not a checkpoint written by train_gpt.py (not a torch.save file)"),
+                          ("cut.pt", "not a checkpoint written by train_gpt.py, or a damaged one (torch.load: "),
+                          ("other.pt", "not a checkpoint written by"), ("missing.pt", "no such file"),
+                          ("folder.pt", "is a folder, not a checkpoint file")]:
         assert train_gpt.main(argv + [f"--resume={tmp_path / name}", f"--log_dir={logs}"], {}) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and message in err and f"--resume='{tmp_path / name}'" in err
+
+
+def test_a_finished_run_is_not_resumed(single, tmp_path, capsys):
+    logs = tmp_path / "logs"
+    assert train_gpt.main(single["argv"] + [f"--resume={single['final']}", f"--log_dir={logs}"], {}) == 2
+    err = capsys.readouterr().err
+    assert err == (f"train_gpt.py: error: --resume='{single['final']}': saved at the run's last step "
+                   f"({2 * N}/{2 * N}); nothing is left to train\n")
+    assert not logs.exists()
+
+
+def test_prompt_belongs_to_sample():
+    with pytest.raises(train_gpt.ConfigError, match="--prompt: only --sample reads it"):
+        train_gpt.parse_config(tiny_argv(prompt="Hello"), {}, 1, False)
+    with pytest.raises(train_gpt.ConfigError, match="--sample and --resume: choose one"):
+        train_gpt.parse_config(tiny_argv(sample="a.pt", resume="a.pt"), {}, 1, False)
 
 
 def test_a_checkpoint_that_does_not_fit_the_code_is_refused(single):

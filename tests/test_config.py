@@ -48,7 +48,7 @@ BAD = [
     (["--num_layer", "3"], {}, 1, "did you mean --num_layers"),
     (["--num_iterations", "ten"], {}, 1, "--num_iterations"),
     (["--compile", "maybe"], {}, 1, "--compile"),
-    ([], {"MUON_LR": "fast"}, 1, "--muon_lr"),
+    ([], {"MUON_LR": "fast"}, 1, "MUON_LR='fast': expected float"),
     (["--train_seq_len", "1000"], {}, 1, "attn_block_size"),
     (["--preset", "speedrun"], {}, 3, "world size 3 must divide"),
     (["--ns_method", "svd"], {}, 1, "--ns_method"),
