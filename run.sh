@@ -9,8 +9,10 @@
 # NODE_RANK (0 on the machine at MASTER_ADDR, which hosts the rendezvous; 1, 2, ... on the
 # others), MASTER_ADDR and optionally MASTER_PORT (default 29500). A machine waits
 # DIST_TIMEOUT_S seconds (default 900) for the others to join, then gives up.
+# Run from anywhere: paths you pass are relative to your folder, as with `python train_gpt.py`
+# (the default data folders are this repository's, wherever you start from).
 set -euo pipefail
-cd "$(dirname "$0")"
+trainer="$(cd "$(dirname "$0")" && pwd)/train_gpt.py"
 PYTHON=${PYTHON:-python3}
 fail() { echo "run.sh: $*" >&2; exit 2; }
 for name in NPROC NNODES NODE_RANK MASTER_PORT DIST_TIMEOUT_S; do
@@ -23,7 +25,7 @@ gpus=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())")
 if [ "$gpus" -eq 0 ]; then
     nproc=${nproc:-1}
     if [ "$nproc" -eq 1 ] && [ "$nnodes" -eq 1 ]; then
-        exec "$PYTHON" train_gpt.py "$@"
+        exec "$PYTHON" "$trainer" "$@"
     fi
     # The cpu preset takes one micro-batch per step, which cannot be split over processes.
     export MICRO_BATCHES=${MICRO_BATCHES:-$((nnodes * nproc))}
@@ -89,4 +91,4 @@ except ChildFailedError as e:
     sys.exit(failure.exitcode % 256)
 except SignalException as e:
     sys.exit(128 + signal.Signals(e.sigval).value)
-' "$meeting" "${launch[@]}" train_gpt.py "$@"
+' "$meeting" "${launch[@]}" "$trainer" "$@"

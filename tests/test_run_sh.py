@@ -34,3 +34,14 @@ def test_run_sh_trains_the_cpu_preset(tmp_path):
     assert re.search(r"^peak memory allocated: \d+ MiB reserved: \d+ MiB$", text, re.M)
     print(f"run.sh took {elapsed:.0f} s; val losses {losses}")
     assert elapsed < 300, f"the cpu preset should finish in under 5 minutes on 2 cores, took {elapsed:.0f} s"
+
+
+def test_run_sh_reads_paths_relative_to_where_it_is_started(tmp_path):
+    """From another folder, a relative path names a file there (run.sh once cd-ed into the repository)."""
+    (tmp_path / "mine.pt").write_bytes(b"junk")
+    env = dict(os.environ, PYTHON=sys.executable, CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([str(ROOT / "run.sh"), "--resume", "mine.pt", "--log_dir", "logs"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr == ("train_gpt.py: error: --resume='mine.pt': not a checkpoint written by train_gpt.py "
+                           "(not a torch.save file)\n")
