@@ -62,8 +62,14 @@ _DRIVER_RE = re.compile(r"Driver Version: (\S+)")
 _SMI_DATE_RE = re.compile(r"^(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun) \w{3} +\d+ \d\d:\d\d:\d\d \d{4}\s*$")
 _CPU_RE = re.compile(r"^CPU: (.+?)\s*$")
 _KEY_VALUE_RE = re.compile(r"^([A-Za-z_][A-Za-z0-9_.]*)=(.*)$")
-# The trainer's last lines when a run ends early (train_gpt.py, main() and the training loop).
-_ENDED_RE = re.compile(r"^(interrupted at step \d+/\d+ \(SIG\w+\)|diverged at step \d+/\d+: .*|stopping early at step \d+/\d+)")
+# The trainer's last lines when a run ends early (train_gpt.py, main() and the training loop). Each
+# may come before the first step line: a signal during compilation or warmup ends the log with
+# "interrupted at step 0/N", a crash in the first validation with "failed at step 0/N: ..."
+# ("rank R: failed ..." on a multi-GPU run).
+_ENDED_RE = re.compile(
+    r"^(interrupted at step \d+/\d+ \(SIG\w+\)|diverged at step \d+/\d+: .*|stopping early at step \d+/\d+"
+    r"|(?:rank \d+: )?failed at step \d+/\d+: .*)"
+)
 # Header settings that may differ between runs of one configuration: names, seeds, where files lie.
 IGNORED_CONFIG = frozenset({"run_name", "seed", "log_dir", "train_files", "val_files"})
 
@@ -178,7 +184,7 @@ def parse_log_text(text: str, run_id: str = "?", path: Path | None = None) -> Ru
 
     step_totals = Counter()
     val_points = []  # (index in training, step, train_time_ms, val_loss)
-    ended = None  # the trainer's line saying the run was interrupted, diverged or ran out of data
+    ended = None  # the trainer's line saying the run was interrupted, diverged, crashed or ran out of data
     for index, line in enumerate(training):
         if m := _ENDED_RE.match(line):
             ended = ended or m.group(1)
@@ -188,10 +194,15 @@ def parse_log_text(text: str, run_id: str = "?", path: Path | None = None) -> Ru
             run.last_step = step if run.last_step is None else max(run.last_step, step)
         if m := _VAL_RE.match(line):
             val_points.append((index, int(m.group(1)), int(m.group(4)), float(m.group(3))))
+    if ended:
+        ended = ended.split(":")[0] if ended.startswith("stopping early") else ended
     if not step_totals:
-        run.problems.append(
-            "no step lines after the last separator (run never started, or log truncated)"
-        )
+        if ended:
+            run.problems.append(ended)
+        else:
+            run.problems.append(
+                "no step lines after the last separator (run never started, or log truncated)"
+            )
         return run
     run.run_hash = _sha1("\n".join(training))
     if len(step_totals) > 1:
@@ -203,7 +214,7 @@ def parse_log_text(text: str, run_id: str = "?", path: Path | None = None) -> Ru
 
     finals = [point for point in val_points if point[1] == run.total_steps]
     if ended and (not finals or ended.startswith("diverged")):
-        run.problems.append(ended.split(":")[0] if ended.startswith("stopping early") else ended)
+        run.problems.append(ended)
         return run
     if not finals:
         run.problems.append(

@@ -537,6 +537,10 @@ PEAK_LINE = "peak memory allocated: 33278 MiB reserved: 48994 MiB\n"
     ("diverged at step 13/20: train loss is nan (stopped at step 19)",
      "diverged at step 13/20: train loss is nan (stopped at step 19)"),
     ("stopping early at step 19/20: training data ran out after 7 windows", "stopping early at step 19/20"),
+    ("failed at step 19/20: RuntimeError: CUDA error: an illegal memory access was encountered",
+     "failed at step 19/20: RuntimeError: CUDA error: an illegal memory access was encountered"),
+    ("rank 0: failed at step 19/20: DistBackendError: NCCL communicator was aborted",
+     "rank 0: failed at step 19/20: DistBackendError: NCCL communicator was aborted"),
 ])
 def test_runs_that_ended_early_are_named_as_such(tmp_path, ending, problem):
     """The trainer's own last lines (train_gpt.py) say why a run stopped; the exclusion says it too."""
@@ -548,6 +552,39 @@ def test_runs_that_ended_early_are_named_as_such(tmp_path, ending, problem):
     write_logs(folder, [make_log(3.2771), make_log(3.2781)])
     [warning] = compare.load_folder(folder).warnings
     assert warning.startswith(f"runs/{path.name}: excluded: {problem}")
+
+
+TRACEBACK = """Traceback (most recent call last):
+  File "train_gpt.py", line 2491, in train
+    val_loss = validate(step)
+RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB
+"""
+
+
+def before_first_step(text: str) -> str:
+    """A log cut where the trainer writes its first step line: header and set-up output only."""
+    return text[: text.index("\nstep:", text.rindex(SEP)) + 1]
+
+
+@pytest.mark.parametrize("ending", [
+    "interrupted at step 0/20 (SIGINT)",  # Ctrl-C during compilation or warmup (train_gpt.py main())
+    "interrupted at step 0/20 (SIGTERM)",
+    TRACEBACK + "failed at step 0/20: RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB",
+    TRACEBACK + "rank 0: failed at step 0/20: RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB",
+], ids=["sigint-in-warmup", "sigterm-in-warmup", "crash-in-first-validation", "crash-on-rank-0"])
+def test_runs_that_ended_before_their_first_step_are_named_as_such(tmp_path, ending):
+    """Stopped before its first step line (a signal during compilation or warmup, or at the check
+    before the first validation; a crash in that validation), the trainer still ends the log with
+    its line saying why (tests/test_failures.py checks those lines): that line is the exclusion,
+    not "no step lines"."""
+    text = before_first_step(make_log()) + "Compiling model and warming up kernels\n" + ending + "\n" + PEAK_LINE
+    assert "step:" not in text.split(SEP)[-1]
+    assert compare.parse_log_text(text).problems == [ending.splitlines()[-1]]
+    folder = tmp_path / "runs"
+    [path] = write_logs(folder, [text])
+    write_logs(folder, [make_log(3.2771), make_log(3.2781)])
+    [warning] = compare.load_folder(folder).warnings
+    assert warning == f"runs/{path.name}: excluded: {ending.splitlines()[-1]}"
 
 
 def test_a_diverged_final_validation_is_named(tmp_path):
