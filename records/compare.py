@@ -167,6 +167,17 @@ def _parse_header(lines: list[str], run: RunLog) -> None:
             pass  # treated as unstated; the raw value stays in run.config
 
 
+def _last_words(training: list[str]) -> str | None:
+    """The line before a closing 'peak memory' line, unless it is a step line. The trainer writes
+    'peak memory' last whenever its training loop ends, right after the line saying why when it
+    ended early; that line is quoted when it is none of the endings _ENDED_RE knows (a bad data
+    shard mid-run ends the log with the file's name and what is wrong with it)."""
+    lines = [line for line in training if line.strip()]
+    if len(lines) >= 2 and _PEAK_RE.match(lines[-1]) and not _STEP_RE.match(lines[-2]):
+        return lines[-2].strip()
+    return None
+
+
 def parse_log_text(text: str, run_id: str = "?", path: Path | None = None) -> RunLog:
     """Parse the text of one log. Never raises on malformed input: what is wrong
     with the log is recorded in `RunLog.problems`."""
@@ -196,9 +207,12 @@ def parse_log_text(text: str, run_id: str = "?", path: Path | None = None) -> Ru
             val_points.append((index, int(m.group(1)), int(m.group(4)), float(m.group(3))))
     if ended:
         ended = ended.split(":")[0] if ended.startswith("stopping early") else ended
+    last_words = _last_words(training)
     if not step_totals:
         if ended:
             run.problems.append(ended)
+        elif last_words:
+            run.problems.append(f"no step lines after the last separator; the run ended with: {last_words}")
         else:
             run.problems.append(
                 "no step lines after the last separator (run never started, or log truncated)"
@@ -220,6 +234,7 @@ def parse_log_text(text: str, run_id: str = "?", path: Path | None = None) -> Ru
         run.problems.append(
             f"unfinished: no validation line at step {run.total_steps}/{run.total_steps}"
             f" (last step logged: {run.last_step})"
+            + (f"; the run ended with: {last_words}" if last_words else "")
         )
         return run
     if len(finals) > 1:

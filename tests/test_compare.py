@@ -587,6 +587,23 @@ def test_runs_that_ended_before_their_first_step_are_named_as_such(tmp_path, end
     assert warning == f"runs/{path.name}: excluded: {ending.splitlines()[-1]}"
 
 
+def test_an_unknown_last_line_before_peak_memory_is_quoted():
+    """A bad shard mid-run ends the log with the DataError's own line (a file name and what is wrong)
+    and then 'peak memory': the exclusion quotes it rather than only saying "unfinished"."""
+    error = "data/fineweb_train_000003.bin: truncated: read 10 of 100000000 tokens"
+    text = make_log(finished=False) + error + "\n" + PEAK_LINE
+    assert compare.parse_log_text(text).problems == [
+        f"unfinished: no validation line at step 20/20 (last step logged: 19); the run ended with: {error}"]
+    early = before_first_step(make_log()) + error + "\n" + PEAK_LINE
+    assert compare.parse_log_text(early).problems == [
+        f"no step lines after the last separator; the run ended with: {error}"]
+    # killed without its last lines: nothing to quote
+    assert compare.parse_log_text(make_log(finished=False)).problems == [
+        "unfinished: no validation line at step 20/20 (last step logged: 19)"]
+    assert compare.parse_log_text(before_first_step(make_log())).problems == [
+        "no step lines after the last separator (run never started, or log truncated)"]
+
+
 def test_a_diverged_final_validation_is_named(tmp_path):
     text = make_log().replace("val_loss:3.2790", "val_loss:nan").replace(
         PEAK_LINE, "diverged at step 20/20: val_loss is nan\n" + PEAK_LINE)
