@@ -442,6 +442,21 @@ def baseline_warnings(runs: RecordFolder, baseline: RecordFolder) -> list[str]:
             f"software differs between runs ({runs.majority('software')}) and baseline"
             f" ({baseline.majority('software')}); it can change timings by itself"
         )
+    if runs.total_steps != baseline.total_steps:
+        found.append(
+            f"step count differs between runs ({runs.total_steps}) and baseline ({baseline.total_steps}):"
+            " the times are of different amounts of training, so their ratio is a speedup only if both"
+            " reach the target"
+        )
+    runs_target, baseline_target = runs.majority("target_val_loss"), baseline.majority("target_val_loss")
+    if (DEFAULT_TARGET if runs_target is None else runs_target) != (
+            DEFAULT_TARGET if baseline_target is None else baseline_target):
+        def stated(target):
+            return f"{DEFAULT_TARGET:g}, the default: not stated" if target is None else f"{target:g}"
+        found.append(
+            f"target_val_loss differs between runs ({stated(runs_target)}) and baseline"
+            f" ({stated(baseline_target)}): they are not trained to the same loss"
+        )
     runs_config = _majority_config(runs)
     baseline_config = _majority_config(baseline)
     if runs_config and baseline_config:
@@ -538,6 +553,19 @@ class Comparison:
     loss_p_two_sided: float | None
     loss_p_lower: float | None  # one-sided: runs' mean loss < baseline's
     speedup: float  # baseline mean time / runs mean time
+    runs_steps: int | None = None  # the step count of the runs and of the baseline
+    baseline_steps: int | None = None
+
+    @property
+    def same_steps(self) -> bool:
+        """The time ratio is a speedup at equal work only. With other step counts it is one only if
+        both reach the target (a record may well train fewer steps): it is then called a time
+        ratio, with the step counts beside it."""
+        return self.runs_steps == self.baseline_steps
+
+    @property
+    def steps_note(self) -> str:
+        return f"runs {self.runs_steps} steps, baseline {self.baseline_steps}"
 
 
 def compare(runs: list[RunLog], baseline: list[RunLog]) -> Comparison:
@@ -553,7 +581,8 @@ def compare(runs: list[RunLog], baseline: list[RunLog]) -> Comparison:
     time_diff, time_p2, time_p1 = welch("train_time_ms")
     loss_diff, loss_p2, loss_p1 = welch("final_val_loss")
     speedup = float(np.mean([r.train_time_ms for r in baseline]) / np.mean([r.train_time_ms for r in runs]))
-    return Comparison(time_diff, time_p2, time_p1, loss_diff, loss_p2, loss_p1, speedup)
+    steps = [Counter(r.total_steps for r in group).most_common(1)[0][0] for group in (runs, baseline)]
+    return Comparison(time_diff, time_p2, time_p1, loss_diff, loss_p2, loss_p1, speedup, *steps)
 
 
 # ---------------------------------------------------------------- reporting
@@ -651,7 +680,9 @@ def render_statistics(
 
     out += ["## Record checks", "", f"- mean final val loss < {summary.target:g}: {_verdict(summary.loss_p)}"]
     if comparison is not None:
-        out.append(f"- faster than the baseline: {_verdict(comparison.time_p_faster)}")
+        caveat = "" if comparison.same_steps else (
+            f"; but with other step counts ({comparison.steps_note}) that counts only if both reach the target")
+        out.append(f"- faster than the baseline: {_verdict(comparison.time_p_faster)}{caveat}")
     else:
         out.append("- faster than the baseline: not checked (no baseline folder given)")
     out.append("")
@@ -662,7 +693,9 @@ def render_statistics(
             "Welch t-tests (unequal variances); differences are runs minus baseline.", "",
         ]
         out += _md_table(["", "difference", "p two-sided", "p one-sided"], _comparison_rows(comparison))
-        out += ["", f"Speedup (baseline mean time / runs mean time): {comparison.speedup:.4f}x", ""]
+        ratio = f"(baseline mean time / runs mean time): {comparison.speedup:.4f}x"
+        out += ["", f"Speedup {ratio}" if comparison.same_steps else
+                f"Time ratio {ratio}; not a speedup at equal work ({comparison.steps_note})", ""]
 
     for folder in [runs] + ([baseline] if baseline is not None else []):
         out += [f"## Runs: {folder.label}", ""]
@@ -737,7 +770,9 @@ def _terminal_table(runs: RecordFolder, summary: Summary, baseline, baseline_sum
     if comparison is not None:
         c = comparison
         lines.append(
-            f"speedup {c.speedup:.4f}x; time diff {c.time_diff_ms / 1000:+.3f} s"
+            (f"speedup {c.speedup:.4f}x" if c.same_steps else
+             f"time ratio {c.speedup:.4f}x (not a speedup at equal work: {c.steps_note})")
+            + f"; time diff {c.time_diff_ms / 1000:+.3f} s"
             f" (Welch p two-sided {_fmt_p(c.time_p_two_sided)}, p faster {_fmt_p(c.time_p_faster)});"
             f" loss diff {c.loss_diff:+.5f} (p two-sided {_fmt_p(c.loss_p_two_sided)})"
         )

@@ -519,7 +519,8 @@ def test_reference_fp8_pr_against_baseline(reference):
     # the 2025 record as "baseline": same GPU model, but another machine, year and software
     older = compare.baseline_warnings(pr, compare.load_folder(reference / "2025-07-12_BosAlign"))
     assert ["probably not the same machine" in older[0], "software differs" in older[1]] == [True, True]
-    assert "369.5 days apart" in older[2]
+    assert older[2].startswith("step count differs between runs (1390) and baseline (1750)")
+    assert "369.5 days apart" in older[3] and len(older) == 4
 
     assert compare.main([str(pr_dir), str(base_dir)]) == 0
     md = (pr_dir / "statistics.md").read_text()
@@ -650,3 +651,52 @@ def test_configuration_differing_from_the_baseline_is_listed(tmp_path):
     [warning] = [w for w in found if "configuration" in w]
     assert "muon_lr (0.04 vs 0.05), num_layers (11 vs 12)" in warning
     assert "seed" not in warning and "run_name" not in warning
+
+
+# ------------------------------------------------- a baseline of other work
+
+def test_a_baseline_of_another_step_count_gives_a_time_ratio_not_a_speedup(tmp_path, capsys):
+    """A 120-step CPU run against a 1695-step H100 record is no speedup of 1.2x: other step counts
+    (or targets) are warned about, and the time ratio is not called a speedup."""
+    runs_dir, base_dir = tmp_path / "runs", tmp_path / "base"
+    write_logs(runs_dir, [make_log(l, t, steps=20) for l, t in zip(LOSSES, TIMES)])
+    write_logs(base_dir, [make_log(l, t, steps=24, run_name="baseline") for l, t in zip(BASE_LOSSES, BASE_TIMES)])
+    assert compare.main([str(runs_dir), str(base_dir)]) == 0
+    out = capsys.readouterr().out
+    ratio = np.mean(BASE_TIMES) / np.mean(TIMES)
+    assert f"time ratio {ratio:.4f}x (not a speedup at equal work: runs 20 steps, baseline 24); time diff" in out
+    assert not re.search(r"^speedup|\bspeedup \d", out, re.M)
+    assert ("warning: step count differs between runs (20) and baseline (24): the times are of different"
+            " amounts of training") in out
+    md = (runs_dir / "statistics.md").read_text()
+    assert (f"Time ratio (baseline mean time / runs mean time): {ratio:.4f}x; not a speedup at equal work"
+            " (runs 20 steps, baseline 24)") in md and "Speedup" not in md
+    assert "- faster than the baseline: yes (p = " in md
+    assert "but with other step counts (runs 20 steps, baseline 24) that counts only if both reach the target" in md
+    assert "- step count differs between runs (20) and baseline (24)" in md
+
+
+def test_a_baseline_of_the_same_step_count_keeps_the_speedup(good_runs, baseline_runs, capsys):
+    assert compare.main([str(good_runs), str(baseline_runs)]) == 0
+    out = capsys.readouterr().out
+    assert f"speedup {np.mean(BASE_TIMES) / np.mean(TIMES):.4f}x; time diff" in out
+    assert "time ratio" not in out and "step count differs" not in out and "target_val_loss differs" not in out
+    md = (good_runs / "statistics.md").read_text()
+    assert "Speedup (baseline mean time / runs mean time)" in md and "other step counts" not in md
+
+
+def test_a_baseline_with_another_target_is_warned_about(tmp_path):
+    runs_dir, base_dir, public_dir = tmp_path / "runs", tmp_path / "base", tmp_path / "public"
+    write_logs(runs_dir, [make_log(l, t, target=6.0) for l, t in zip(LOSSES, TIMES)])
+    write_logs(base_dir, [make_log(l, t, target=3.28) for l, t in zip(BASE_LOSSES, BASE_TIMES)])
+    write_logs(public_dir, [make_log(l, t, style="public") for l, t in zip(BASE_LOSSES, BASE_TIMES)])
+    runs = compare.load_folder(runs_dir)
+    [warning] = [w for w in compare.baseline_warnings(runs, compare.load_folder(base_dir)) if w.startswith("target_val_loss differs")]
+    assert warning == "target_val_loss differs between runs (6) and baseline (3.28): they are not trained to the same loss"
+    [warning] = [w for w in compare.baseline_warnings(runs, compare.load_folder(public_dir)) if w.startswith("target_val_loss differs")]
+    assert "baseline (3.28, the default: not stated)" in warning
+    # the public logs state no target: the record's 3.28 is no difference
+    same = tmp_path / "same"
+    write_logs(same, [make_log(l, t) for l, t in zip(LOSSES, TIMES)])
+    assert not [w for w in compare.baseline_warnings(compare.load_folder(same), compare.load_folder(public_dir))
+                if w.startswith("target_val_loss differs")]
