@@ -18,7 +18,9 @@ Log layout: the trainer's source code, a line of exactly 100 '=', a header
 optionally `key=value` configuration lines), another line of 100 '=', then the
 training lines (`step:...`, `peak memory ...`). The source code may itself contain
 text that looks like training lines, so training lines are read only after the
-LAST separator and header fields only between the last two.
+LAST separator and header fields only between the last two (the public logs of
+early 2025 add a section naming the data files after the header: then the two
+before).
 """
 from __future__ import annotations
 
@@ -50,7 +52,8 @@ _VAL_RE = re.compile(
     r"^step:(\d+)/(\d+) val_loss:(\d+(?:\.\d*)?(?:[eE][-+]?\d+)?|nan|inf) train_time:(\d+)ms\b"
 )
 _STEP_RE = re.compile(r"^step:(\d+)/(\d+) ")
-_PEAK_RE = re.compile(r"^peak memory allocated: (\d+) MiB reserved: (\d+) MiB\s*$")
+# The public logs of early 2025 close with "peak memory consumption: N MiB" (allocated only).
+_PEAK_RE = re.compile(r"^peak memory (?:allocated: (\d+) MiB reserved: (\d+) MiB|consumption: (\d+) MiB)\s*$")
 _PYTHON_RE = re.compile(r"^Running Python (\S+)")
 _TORCH_RE = re.compile(r"^Running PyTorch (\S+)(?: compiled for CUDA (\S+))?")
 _TRITON_RE = re.compile(r"^Running Triton version (\S+)")
@@ -190,7 +193,14 @@ def parse_log_text(text: str, run_id: str = "?", path: Path | None = None) -> Ru
         )
         return run
     if len(separators) >= 2:
-        _parse_header(lines[separators[-2] + 1 : separators[-1]], run)
+        header = lines[separators[-2] + 1 : separators[-1]]
+        # The public logs of early 2025 have one more section: versions and nvidia-smi, a
+        # separator, the data files, a separator. The section before is read only then.
+        if len(separators) >= 3 and not any(_PYTHON_RE.match(line) for line in header):
+            earlier = lines[separators[-3] + 1 : separators[-2]]
+            if any(_PYTHON_RE.match(line) for line in earlier):
+                header = earlier
+        _parse_header(header, run)
     training = lines[separators[-1] + 1 :]
 
     step_totals = Counter()
@@ -248,7 +258,9 @@ def parse_log_text(text: str, run_id: str = "?", path: Path | None = None) -> Ru
 
     for line in training[final_index + 1 :]:
         if m := _PEAK_RE.match(line):
-            run.peak_mem_allocated_mib, run.peak_mem_reserved_mib = int(m.group(1)), int(m.group(2))
+            allocated, reserved, consumption = m.groups()
+            run.peak_mem_allocated_mib = int(allocated or consumption)
+            run.peak_mem_reserved_mib = int(reserved) if reserved else None
     if run.peak_mem_allocated_mib is None:
         # The trainer's last line; without it the log was cut (disk full, killed
         # while flushing) and we cannot trust that what precedes is complete.
@@ -603,6 +615,10 @@ def _fmt_s(ms: float | None) -> str:
     return "n/a" if ms is None else f"{ms / 1000:.3f}"
 
 
+def _fmt_mib(x: int | None) -> str:
+    return "n/a" if x is None else str(x)
+
+
 def _verdict(p: float | None) -> str:
     if p is None:
         return "undetermined (p n/a)"
@@ -645,7 +661,7 @@ def _run_rows(folder: RecordFolder) -> list[tuple]:
     rows = []
     for run in folder.runs:
         memory = (
-            f"{run.peak_mem_allocated_mib} / {run.peak_mem_reserved_mib}"
+            f"{run.peak_mem_allocated_mib} / {_fmt_mib(run.peak_mem_reserved_mib)}"
             if run.peak_mem_allocated_mib is not None else "n/a"
         )
         rows.append((

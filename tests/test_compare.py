@@ -177,6 +177,32 @@ def test_parse_public_format():
     assert run.hardware == f"8x {H100}"
 
 
+def early_2025_public_log(final_loss: float = 3.2772, final_ms: int = 201_373) -> str:
+    """A public record log as written in January 2025 (modded-nanogpt records/011225_*): the
+    header, a separator, the data files, a separator, the training lines, and a closing
+    "peak memory consumption" line without the reserved memory."""
+    text = make_log(final_loss, final_ms, style="public", python="3.10.12")
+    source_and_header, body = text.rsplit(SEP + "\n", 1)
+    data_files = ("Training dataloader files: ['data/fineweb10B/fineweb_train_000001.bin']\n"
+                  "Validation dataloader files: ['data/fineweb10B/fineweb_val_000000.bin']\n")
+    body = body.replace("peak memory allocated: 33278 MiB reserved: 48994 MiB", "peak memory consumption: 32619 MiB")
+    return source_and_header + SEP + "\n" + data_files + SEP + "\n" + body
+
+
+def test_parse_early_2025_public_format(tmp_path):
+    """Such logs were excluded as "truncated: no 'peak memory' line" with unknown hardware."""
+    run = compare.parse_log_text(early_2025_public_log())
+    assert run.usable, run.problems
+    assert (run.final_val_loss, run.train_time_ms) == (3.2772, 201_373)
+    assert (run.peak_mem_allocated_mib, run.peak_mem_reserved_mib) == (32619, None)
+    assert run.hardware == f"8x {H100}" and run.python_version == "3.10.12"
+    folder = tmp_path / "runs"
+    write_logs(folder, [early_2025_public_log(l, t) for l, t in zip(LOSSES, TIMES)])
+    assert compare.main([str(folder)]) == 0
+    md = (folder / "statistics.md").read_text()
+    assert "| runs used | 6 of 6 |" in md and "| 32619 / n/a | yes |" in md
+
+
 def test_parse_cpu_header_and_gpu_count():
     cpu_run = compare.parse_log_text(make_log(cpu="AMD EPYC 7B13 x2"))
     assert cpu_run.hardware == "CPU: AMD EPYC 7B13 x2"
