@@ -478,6 +478,13 @@ def baseline_warnings(runs: RecordFolder, baseline: RecordFolder) -> list[str]:
         if differing:
             found.append(f"configuration differs between runs and baseline: {', '.join(differing)}; "
                          "make sure that is the change being tested")
+    baseline_by_output = {r.run_hash: r for r in baseline.usable}
+    if shared := [(r, baseline_by_output[r.run_hash]) for r in runs.usable if r.run_hash in baseline_by_output]:
+        run, twin = shared[0]
+        found.append(
+            f"{len(shared)} run(s) are in both folders (identical training output, e.g. {runs.label}/{run.name}"
+            f" and {baseline.label}/{twin.name}); the comparison is not between independent runs"
+        )
     runs_started = sorted(r.started for r in runs.usable if r.started)
     baseline_started = sorted(r.started for r in baseline.usable if r.started)
     if runs_started and baseline_started:

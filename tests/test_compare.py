@@ -726,3 +726,13 @@ def test_a_baseline_with_another_target_is_warned_about(tmp_path):
     write_logs(same, [make_log(l, t) for l, t in zip(LOSSES, TIMES)])
     assert not [w for w in compare.baseline_warnings(compare.load_folder(same), compare.load_folder(public_dir))
                 if w.startswith("target_val_loss differs")]
+
+
+def test_a_run_in_both_folders_is_warned_about(good_runs, baseline_runs):
+    """A log copied into the baseline folder too (or the runs' logs used as a baseline) makes the
+    comparison partly a run against itself."""
+    copied = sorted(good_runs.glob("*.txt"))[0]
+    shutil.copy(copied, baseline_runs / "copy.txt")
+    found = compare.baseline_warnings(compare.load_folder(good_runs), compare.load_folder(baseline_runs))
+    assert found == [f"1 run(s) are in both folders (identical training output, e.g. 2026-01-01_myidea/{copied.name}"
+                     " and 2026-01-01_baseline/copy.txt); the comparison is not between independent runs"]
