@@ -18,7 +18,9 @@ Log layout: the trainer's source code, a line of exactly 100 '=', a header
 optionally `key=value` configuration lines), another line of 100 '=', then the
 training lines (`step:...`, `peak memory ...`). The source code may itself contain
 text that looks like training lines, so training lines are read only after the
-LAST separator and header fields only between the last two.
+LAST separator and header fields only between the last two (the public logs of
+early 2025 add a section naming the data files after the header: then the two
+before).
 """
 from __future__ import annotations
 
@@ -50,7 +52,8 @@ _VAL_RE = re.compile(
     r"^step:(\d+)/(\d+) val_loss:(\d+(?:\.\d*)?(?:[eE][-+]?\d+)?|nan|inf) train_time:(\d+)ms\b"
 )
 _STEP_RE = re.compile(r"^step:(\d+)/(\d+) ")
-_PEAK_RE = re.compile(r"^peak memory allocated: (\d+) MiB reserved: (\d+) MiB\s*$")
+# The public logs of early 2025 close with "peak memory consumption: N MiB" (allocated only).
+_PEAK_RE = re.compile(r"^peak memory (?:allocated: (\d+) MiB reserved: (\d+) MiB|consumption: (\d+) MiB)\s*$")
 _PYTHON_RE = re.compile(r"^Running Python (\S+)")
 _TORCH_RE = re.compile(r"^Running PyTorch (\S+)(?: compiled for CUDA (\S+))?")
 _TRITON_RE = re.compile(r"^Running Triton version (\S+)")
@@ -62,8 +65,14 @@ _DRIVER_RE = re.compile(r"Driver Version: (\S+)")
 _SMI_DATE_RE = re.compile(r"^(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun) \w{3} +\d+ \d\d:\d\d:\d\d \d{4}\s*$")
 _CPU_RE = re.compile(r"^CPU: (.+?)\s*$")
 _KEY_VALUE_RE = re.compile(r"^([A-Za-z_][A-Za-z0-9_.]*)=(.*)$")
-# The trainer's last lines when a run ends early (train_gpt.py, main() and the training loop).
-_ENDED_RE = re.compile(r"^(interrupted at step \d+/\d+ \(SIG\w+\)|diverged at step \d+/\d+: .*|stopping early at step \d+/\d+)")
+# The trainer's last lines when a run ends early (train_gpt.py, main() and the training loop). Each
+# may come before the first step line: a signal during compilation or warmup ends the log with
+# "interrupted at step 0/N", a crash in the first validation with "failed at step 0/N: ..."
+# ("rank R: failed ..." on a multi-GPU run).
+_ENDED_RE = re.compile(
+    r"^(interrupted at step \d+/\d+ \(SIG\w+\)|diverged at step \d+/\d+: .*|stopping early at step \d+/\d+"
+    r"|(?:rank \d+: )?failed at step \d+/\d+: .*)"
+)
 # Header settings that may differ between runs of one configuration: names, seeds, where files lie.
 IGNORED_CONFIG = frozenset({"run_name", "seed", "log_dir", "train_files", "val_files"})
 
@@ -161,6 +170,17 @@ def _parse_header(lines: list[str], run: RunLog) -> None:
             pass  # treated as unstated; the raw value stays in run.config
 
 
+def _last_words(training: list[str]) -> str | None:
+    """The line before a closing 'peak memory' line, unless it is a step line. The trainer writes
+    'peak memory' last whenever its training loop ends, right after the line saying why when it
+    ended early; that line is quoted when it is none of the endings _ENDED_RE knows (a bad data
+    shard mid-run ends the log with the file's name and what is wrong with it)."""
+    lines = [line for line in training if line.strip()]
+    if len(lines) >= 2 and _PEAK_RE.match(lines[-1]) and not _STEP_RE.match(lines[-2]):
+        return lines[-2].strip()
+    return None
+
+
 def parse_log_text(text: str, run_id: str = "?", path: Path | None = None) -> RunLog:
     """Parse the text of one log. Never raises on malformed input: what is wrong
     with the log is recorded in `RunLog.problems`."""
@@ -173,12 +193,19 @@ def parse_log_text(text: str, run_id: str = "?", path: Path | None = None) -> Ru
         )
         return run
     if len(separators) >= 2:
-        _parse_header(lines[separators[-2] + 1 : separators[-1]], run)
+        header = lines[separators[-2] + 1 : separators[-1]]
+        # The public logs of early 2025 have one more section: versions and nvidia-smi, a
+        # separator, the data files, a separator. The section before is read only then.
+        if len(separators) >= 3 and not any(_PYTHON_RE.match(line) for line in header):
+            earlier = lines[separators[-3] + 1 : separators[-2]]
+            if any(_PYTHON_RE.match(line) for line in earlier):
+                header = earlier
+        _parse_header(header, run)
     training = lines[separators[-1] + 1 :]
 
     step_totals = Counter()
     val_points = []  # (index in training, step, train_time_ms, val_loss)
-    ended = None  # the trainer's line saying the run was interrupted, diverged or ran out of data
+    ended = None  # the trainer's line saying the run was interrupted, diverged, crashed or ran out of data
     for index, line in enumerate(training):
         if m := _ENDED_RE.match(line):
             ended = ended or m.group(1)
@@ -188,10 +215,18 @@ def parse_log_text(text: str, run_id: str = "?", path: Path | None = None) -> Ru
             run.last_step = step if run.last_step is None else max(run.last_step, step)
         if m := _VAL_RE.match(line):
             val_points.append((index, int(m.group(1)), int(m.group(4)), float(m.group(3))))
+    if ended:
+        ended = ended.split(":")[0] if ended.startswith("stopping early") else ended
+    last_words = _last_words(training)
     if not step_totals:
-        run.problems.append(
-            "no step lines after the last separator (run never started, or log truncated)"
-        )
+        if ended:
+            run.problems.append(ended)
+        elif last_words:
+            run.problems.append(f"no step lines after the last separator; the run ended with: {last_words}")
+        else:
+            run.problems.append(
+                "no step lines after the last separator (run never started, or log truncated)"
+            )
         return run
     run.run_hash = _sha1("\n".join(training))
     if len(step_totals) > 1:
@@ -203,12 +238,13 @@ def parse_log_text(text: str, run_id: str = "?", path: Path | None = None) -> Ru
 
     finals = [point for point in val_points if point[1] == run.total_steps]
     if ended and (not finals or ended.startswith("diverged")):
-        run.problems.append(ended.split(":")[0] if ended.startswith("stopping early") else ended)
+        run.problems.append(ended)
         return run
     if not finals:
         run.problems.append(
             f"unfinished: no validation line at step {run.total_steps}/{run.total_steps}"
             f" (last step logged: {run.last_step})"
+            + (f"; the run ended with: {last_words}" if last_words else "")
         )
         return run
     if len(finals) > 1:
@@ -222,7 +258,9 @@ def parse_log_text(text: str, run_id: str = "?", path: Path | None = None) -> Ru
 
     for line in training[final_index + 1 :]:
         if m := _PEAK_RE.match(line):
-            run.peak_mem_allocated_mib, run.peak_mem_reserved_mib = int(m.group(1)), int(m.group(2))
+            allocated, reserved, consumption = m.groups()
+            run.peak_mem_allocated_mib = int(allocated or consumption)
+            run.peak_mem_reserved_mib = int(reserved) if reserved else None
     if run.peak_mem_allocated_mib is None:
         # The trainer's last line; without it the log was cut (disk full, killed
         # while flushing) and we cannot trust that what precedes is complete.
@@ -416,6 +454,21 @@ def baseline_warnings(runs: RecordFolder, baseline: RecordFolder) -> list[str]:
             f"software differs between runs ({runs.majority('software')}) and baseline"
             f" ({baseline.majority('software')}); it can change timings by itself"
         )
+    if runs.total_steps != baseline.total_steps:
+        found.append(
+            f"step count differs between runs ({runs.total_steps}) and baseline ({baseline.total_steps}):"
+            " the times are of different amounts of training, so their ratio is a speedup only if both"
+            " reach the target"
+        )
+    runs_target, baseline_target = runs.majority("target_val_loss"), baseline.majority("target_val_loss")
+    if (DEFAULT_TARGET if runs_target is None else runs_target) != (
+            DEFAULT_TARGET if baseline_target is None else baseline_target):
+        def stated(target):
+            return f"{DEFAULT_TARGET:g}, the default: not stated" if target is None else f"{target:g}"
+        found.append(
+            f"target_val_loss differs between runs ({stated(runs_target)}) and baseline"
+            f" ({stated(baseline_target)}): they are not trained to the same loss"
+        )
     runs_config = _majority_config(runs)
     baseline_config = _majority_config(baseline)
     if runs_config and baseline_config:
@@ -425,6 +478,13 @@ def baseline_warnings(runs: RecordFolder, baseline: RecordFolder) -> list[str]:
         if differing:
             found.append(f"configuration differs between runs and baseline: {', '.join(differing)}; "
                          "make sure that is the change being tested")
+    baseline_by_output = {r.run_hash: r for r in baseline.usable}
+    if shared := [(r, baseline_by_output[r.run_hash]) for r in runs.usable if r.run_hash in baseline_by_output]:
+        run, twin = shared[0]
+        found.append(
+            f"{len(shared)} run(s) are in both folders (identical training output, e.g. {runs.label}/{run.name}"
+            f" and {baseline.label}/{twin.name}); the comparison is not between independent runs"
+        )
     runs_started = sorted(r.started for r in runs.usable if r.started)
     baseline_started = sorted(r.started for r in baseline.usable if r.started)
     if runs_started and baseline_started:
@@ -512,6 +572,19 @@ class Comparison:
     loss_p_two_sided: float | None
     loss_p_lower: float | None  # one-sided: runs' mean loss < baseline's
     speedup: float  # baseline mean time / runs mean time
+    runs_steps: int | None = None  # the step count of the runs and of the baseline
+    baseline_steps: int | None = None
+
+    @property
+    def same_steps(self) -> bool:
+        """The time ratio is a speedup at equal work only. With other step counts it is one only if
+        both reach the target (a record may well train fewer steps): it is then called a time
+        ratio, with the step counts beside it."""
+        return self.runs_steps == self.baseline_steps
+
+    @property
+    def steps_note(self) -> str:
+        return f"runs {self.runs_steps} steps, baseline {self.baseline_steps}"
 
 
 def compare(runs: list[RunLog], baseline: list[RunLog]) -> Comparison:
@@ -527,7 +600,8 @@ def compare(runs: list[RunLog], baseline: list[RunLog]) -> Comparison:
     time_diff, time_p2, time_p1 = welch("train_time_ms")
     loss_diff, loss_p2, loss_p1 = welch("final_val_loss")
     speedup = float(np.mean([r.train_time_ms for r in baseline]) / np.mean([r.train_time_ms for r in runs]))
-    return Comparison(time_diff, time_p2, time_p1, loss_diff, loss_p2, loss_p1, speedup)
+    steps = [Counter(r.total_steps for r in group).most_common(1)[0][0] for group in (runs, baseline)]
+    return Comparison(time_diff, time_p2, time_p1, loss_diff, loss_p2, loss_p1, speedup, *steps)
 
 
 # ---------------------------------------------------------------- reporting
@@ -546,6 +620,10 @@ def _fmt_std(x: float | None, scale: float = 1.0, digits: int = 5) -> str:
 
 def _fmt_s(ms: float | None) -> str:
     return "n/a" if ms is None else f"{ms / 1000:.3f}"
+
+
+def _fmt_mib(x: int | None) -> str:
+    return "n/a" if x is None else str(x)
 
 
 def _verdict(p: float | None) -> str:
@@ -590,7 +668,7 @@ def _run_rows(folder: RecordFolder) -> list[tuple]:
     rows = []
     for run in folder.runs:
         memory = (
-            f"{run.peak_mem_allocated_mib} / {run.peak_mem_reserved_mib}"
+            f"{run.peak_mem_allocated_mib} / {_fmt_mib(run.peak_mem_reserved_mib)}"
             if run.peak_mem_allocated_mib is not None else "n/a"
         )
         rows.append((
@@ -625,7 +703,9 @@ def render_statistics(
 
     out += ["## Record checks", "", f"- mean final val loss < {summary.target:g}: {_verdict(summary.loss_p)}"]
     if comparison is not None:
-        out.append(f"- faster than the baseline: {_verdict(comparison.time_p_faster)}")
+        caveat = "" if comparison.same_steps else (
+            f"; but with other step counts ({comparison.steps_note}) that counts only if both reach the target")
+        out.append(f"- faster than the baseline: {_verdict(comparison.time_p_faster)}{caveat}")
     else:
         out.append("- faster than the baseline: not checked (no baseline folder given)")
     out.append("")
@@ -636,7 +716,9 @@ def render_statistics(
             "Welch t-tests (unequal variances); differences are runs minus baseline.", "",
         ]
         out += _md_table(["", "difference", "p two-sided", "p one-sided"], _comparison_rows(comparison))
-        out += ["", f"Speedup (baseline mean time / runs mean time): {comparison.speedup:.4f}x", ""]
+        ratio = f"(baseline mean time / runs mean time): {comparison.speedup:.4f}x"
+        out += ["", f"Speedup {ratio}" if comparison.same_steps else
+                f"Time ratio {ratio}; not a speedup at equal work ({comparison.steps_note})", ""]
 
     for folder in [runs] + ([baseline] if baseline is not None else []):
         out += [f"## Runs: {folder.label}", ""]
@@ -711,7 +793,9 @@ def _terminal_table(runs: RecordFolder, summary: Summary, baseline, baseline_sum
     if comparison is not None:
         c = comparison
         lines.append(
-            f"speedup {c.speedup:.4f}x; time diff {c.time_diff_ms / 1000:+.3f} s"
+            (f"speedup {c.speedup:.4f}x" if c.same_steps else
+             f"time ratio {c.speedup:.4f}x (not a speedup at equal work: {c.steps_note})")
+            + f"; time diff {c.time_diff_ms / 1000:+.3f} s"
             f" (Welch p two-sided {_fmt_p(c.time_p_two_sided)}, p faster {_fmt_p(c.time_p_faster)});"
             f" loss diff {c.loss_diff:+.5f} (p two-sided {_fmt_p(c.loss_p_two_sided)})"
         )

@@ -177,6 +177,32 @@ def test_parse_public_format():
     assert run.hardware == f"8x {H100}"
 
 
+def early_2025_public_log(final_loss: float = 3.2772, final_ms: int = 201_373) -> str:
+    """A public record log as written in January 2025 (modded-nanogpt records/011225_*): the
+    header, a separator, the data files, a separator, the training lines, and a closing
+    "peak memory consumption" line without the reserved memory."""
+    text = make_log(final_loss, final_ms, style="public", python="3.10.12")
+    source_and_header, body = text.rsplit(SEP + "\n", 1)
+    data_files = ("Training dataloader files: ['data/fineweb10B/fineweb_train_000001.bin']\n"
+                  "Validation dataloader files: ['data/fineweb10B/fineweb_val_000000.bin']\n")
+    body = body.replace("peak memory allocated: 33278 MiB reserved: 48994 MiB", "peak memory consumption: 32619 MiB")
+    return source_and_header + SEP + "\n" + data_files + SEP + "\n" + body
+
+
+def test_parse_early_2025_public_format(tmp_path):
+    """Such logs were excluded as "truncated: no 'peak memory' line" with unknown hardware."""
+    run = compare.parse_log_text(early_2025_public_log())
+    assert run.usable, run.problems
+    assert (run.final_val_loss, run.train_time_ms) == (3.2772, 201_373)
+    assert (run.peak_mem_allocated_mib, run.peak_mem_reserved_mib) == (32619, None)
+    assert run.hardware == f"8x {H100}" and run.python_version == "3.10.12"
+    folder = tmp_path / "runs"
+    write_logs(folder, [early_2025_public_log(l, t) for l, t in zip(LOSSES, TIMES)])
+    assert compare.main([str(folder)]) == 0
+    md = (folder / "statistics.md").read_text()
+    assert "| runs used | 6 of 6 |" in md and "| 32619 / n/a | yes |" in md
+
+
 def test_parse_cpu_header_and_gpu_count():
     cpu_run = compare.parse_log_text(make_log(cpu="AMD EPYC 7B13 x2"))
     assert cpu_run.hardware == "CPU: AMD EPYC 7B13 x2"
@@ -519,7 +545,8 @@ def test_reference_fp8_pr_against_baseline(reference):
     # the 2025 record as "baseline": same GPU model, but another machine, year and software
     older = compare.baseline_warnings(pr, compare.load_folder(reference / "2025-07-12_BosAlign"))
     assert ["probably not the same machine" in older[0], "software differs" in older[1]] == [True, True]
-    assert "369.5 days apart" in older[2]
+    assert older[2].startswith("step count differs between runs (1390) and baseline (1750)")
+    assert "369.5 days apart" in older[3] and len(older) == 4
 
     assert compare.main([str(pr_dir), str(base_dir)]) == 0
     md = (pr_dir / "statistics.md").read_text()
@@ -537,6 +564,10 @@ PEAK_LINE = "peak memory allocated: 33278 MiB reserved: 48994 MiB\n"
     ("diverged at step 13/20: train loss is nan (stopped at step 19)",
      "diverged at step 13/20: train loss is nan (stopped at step 19)"),
     ("stopping early at step 19/20: training data ran out after 7 windows", "stopping early at step 19/20"),
+    ("failed at step 19/20: RuntimeError: CUDA error: an illegal memory access was encountered",
+     "failed at step 19/20: RuntimeError: CUDA error: an illegal memory access was encountered"),
+    ("rank 0: failed at step 19/20: DistBackendError: NCCL communicator was aborted",
+     "rank 0: failed at step 19/20: DistBackendError: NCCL communicator was aborted"),
 ])
 def test_runs_that_ended_early_are_named_as_such(tmp_path, ending, problem):
     """The trainer's own last lines (train_gpt.py) say why a run stopped; the exclusion says it too."""
@@ -548,6 +579,56 @@ def test_runs_that_ended_early_are_named_as_such(tmp_path, ending, problem):
     write_logs(folder, [make_log(3.2771), make_log(3.2781)])
     [warning] = compare.load_folder(folder).warnings
     assert warning.startswith(f"runs/{path.name}: excluded: {problem}")
+
+
+TRACEBACK = """Traceback (most recent call last):
+  File "train_gpt.py", line 2491, in train
+    val_loss = validate(step)
+RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB
+"""
+
+
+def before_first_step(text: str) -> str:
+    """A log cut where the trainer writes its first step line: header and set-up output only."""
+    return text[: text.index("\nstep:", text.rindex(SEP)) + 1]
+
+
+@pytest.mark.parametrize("ending", [
+    "interrupted at step 0/20 (SIGINT)",  # Ctrl-C during compilation or warmup (train_gpt.py main())
+    "interrupted at step 0/20 (SIGTERM)",
+    TRACEBACK + "failed at step 0/20: RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB",
+    TRACEBACK + "rank 0: failed at step 0/20: RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB",
+], ids=["sigint-in-warmup", "sigterm-in-warmup", "crash-in-first-validation", "crash-on-rank-0"])
+def test_runs_that_ended_before_their_first_step_are_named_as_such(tmp_path, ending):
+    """Stopped before its first step line (a signal during compilation or warmup, or at the check
+    before the first validation; a crash in that validation), the trainer still ends the log with
+    its line saying why (tests/test_failures.py checks those lines): that line is the exclusion,
+    not "no step lines"."""
+    text = before_first_step(make_log()) + "Compiling model and warming up kernels\n" + ending + "\n" + PEAK_LINE
+    assert "step:" not in text.split(SEP)[-1]
+    assert compare.parse_log_text(text).problems == [ending.splitlines()[-1]]
+    folder = tmp_path / "runs"
+    [path] = write_logs(folder, [text])
+    write_logs(folder, [make_log(3.2771), make_log(3.2781)])
+    [warning] = compare.load_folder(folder).warnings
+    assert warning == f"runs/{path.name}: excluded: {ending.splitlines()[-1]}"
+
+
+def test_an_unknown_last_line_before_peak_memory_is_quoted():
+    """A bad shard mid-run ends the log with the DataError's own line (a file name and what is wrong)
+    and then 'peak memory': the exclusion quotes it rather than only saying "unfinished"."""
+    error = "data/fineweb_train_000003.bin: truncated: read 10 of 100000000 tokens"
+    text = make_log(finished=False) + error + "\n" + PEAK_LINE
+    assert compare.parse_log_text(text).problems == [
+        f"unfinished: no validation line at step 20/20 (last step logged: 19); the run ended with: {error}"]
+    early = before_first_step(make_log()) + error + "\n" + PEAK_LINE
+    assert compare.parse_log_text(early).problems == [
+        f"no step lines after the last separator; the run ended with: {error}"]
+    # killed without its last lines: nothing to quote
+    assert compare.parse_log_text(make_log(finished=False)).problems == [
+        "unfinished: no validation line at step 20/20 (last step logged: 19)"]
+    assert compare.parse_log_text(before_first_step(make_log())).problems == [
+        "no step lines after the last separator (run never started, or log truncated)"]
 
 
 def test_a_diverged_final_validation_is_named(tmp_path):
@@ -596,3 +677,62 @@ def test_configuration_differing_from_the_baseline_is_listed(tmp_path):
     [warning] = [w for w in found if "configuration" in w]
     assert "muon_lr (0.04 vs 0.05), num_layers (11 vs 12)" in warning
     assert "seed" not in warning and "run_name" not in warning
+
+
+# ------------------------------------------------- a baseline of other work
+
+def test_a_baseline_of_another_step_count_gives_a_time_ratio_not_a_speedup(tmp_path, capsys):
+    """A 120-step CPU run against a 1695-step H100 record is no speedup of 1.2x: other step counts
+    (or targets) are warned about, and the time ratio is not called a speedup."""
+    runs_dir, base_dir = tmp_path / "runs", tmp_path / "base"
+    write_logs(runs_dir, [make_log(l, t, steps=20) for l, t in zip(LOSSES, TIMES)])
+    write_logs(base_dir, [make_log(l, t, steps=24, run_name="baseline") for l, t in zip(BASE_LOSSES, BASE_TIMES)])
+    assert compare.main([str(runs_dir), str(base_dir)]) == 0
+    out = capsys.readouterr().out
+    ratio = np.mean(BASE_TIMES) / np.mean(TIMES)
+    assert f"time ratio {ratio:.4f}x (not a speedup at equal work: runs 20 steps, baseline 24); time diff" in out
+    assert not re.search(r"^speedup|\bspeedup \d", out, re.M)
+    assert ("warning: step count differs between runs (20) and baseline (24): the times are of different"
+            " amounts of training") in out
+    md = (runs_dir / "statistics.md").read_text()
+    assert (f"Time ratio (baseline mean time / runs mean time): {ratio:.4f}x; not a speedup at equal work"
+            " (runs 20 steps, baseline 24)") in md and "Speedup" not in md
+    assert "- faster than the baseline: yes (p = " in md
+    assert "but with other step counts (runs 20 steps, baseline 24) that counts only if both reach the target" in md
+    assert "- step count differs between runs (20) and baseline (24)" in md
+
+
+def test_a_baseline_of_the_same_step_count_keeps_the_speedup(good_runs, baseline_runs, capsys):
+    assert compare.main([str(good_runs), str(baseline_runs)]) == 0
+    out = capsys.readouterr().out
+    assert f"speedup {np.mean(BASE_TIMES) / np.mean(TIMES):.4f}x; time diff" in out
+    assert "time ratio" not in out and "step count differs" not in out and "target_val_loss differs" not in out
+    md = (good_runs / "statistics.md").read_text()
+    assert "Speedup (baseline mean time / runs mean time)" in md and "other step counts" not in md
+
+
+def test_a_baseline_with_another_target_is_warned_about(tmp_path):
+    runs_dir, base_dir, public_dir = tmp_path / "runs", tmp_path / "base", tmp_path / "public"
+    write_logs(runs_dir, [make_log(l, t, target=6.0) for l, t in zip(LOSSES, TIMES)])
+    write_logs(base_dir, [make_log(l, t, target=3.28) for l, t in zip(BASE_LOSSES, BASE_TIMES)])
+    write_logs(public_dir, [make_log(l, t, style="public") for l, t in zip(BASE_LOSSES, BASE_TIMES)])
+    runs = compare.load_folder(runs_dir)
+    [warning] = [w for w in compare.baseline_warnings(runs, compare.load_folder(base_dir)) if w.startswith("target_val_loss differs")]
+    assert warning == "target_val_loss differs between runs (6) and baseline (3.28): they are not trained to the same loss"
+    [warning] = [w for w in compare.baseline_warnings(runs, compare.load_folder(public_dir)) if w.startswith("target_val_loss differs")]
+    assert "baseline (3.28, the default: not stated)" in warning
+    # the public logs state no target: the record's 3.28 is no difference
+    same = tmp_path / "same"
+    write_logs(same, [make_log(l, t) for l, t in zip(LOSSES, TIMES)])
+    assert not [w for w in compare.baseline_warnings(compare.load_folder(same), compare.load_folder(public_dir))
+                if w.startswith("target_val_loss differs")]
+
+
+def test_a_run_in_both_folders_is_warned_about(good_runs, baseline_runs):
+    """A log copied into the baseline folder too (or the runs' logs used as a baseline) makes the
+    comparison partly a run against itself."""
+    copied = sorted(good_runs.glob("*.txt"))[0]
+    shutil.copy(copied, baseline_runs / "copy.txt")
+    found = compare.baseline_warnings(compare.load_folder(good_runs), compare.load_folder(baseline_runs))
+    assert found == [f"1 run(s) are in both folders (identical training output, e.g. 2026-01-01_myidea/{copied.name}"
+                     " and 2026-01-01_baseline/copy.txt); the comparison is not between independent runs"]
