@@ -243,12 +243,12 @@ def run_phase_process(phase, out, budget, env):
             child.wait(timeout=budget + 20)   # the worker watches its own budget; this is the backstop
         except subprocess.TimeoutExpired:
             timed_out = True
-            os.killpg(child.pid, signal.SIGTERM)   # the worker ends the trainers it started, then itself
-            try:
-                child.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(child.pid, signal.SIGKILL)
-                child.wait()
+            end_worker(child)
+        except KeyboardInterrupt:   # Ctrl-C or SIGTERM here: the worker, in its own session, ends too
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(signum, signal.SIG_IGN)   # a second Ctrl-C must not leave it running
+            end_worker(child)
+            raise
     try:
         with open(json_path) as f:
             result = json.load(f)
@@ -264,6 +264,31 @@ def run_phase_process(phase, out, budget, env):
     if result["status"] in ("timeout", "crashed"):
         result["errors"].append({"check": "phase process (log tail)", "traceback": tail(log_path, 60)})
     return result
+
+
+def end_worker(child):
+    """SIGTERM to the worker's process group (the worker ends the trainers it started, then
+    itself), SIGKILL if it is still there 10 s later."""
+    try:
+        os.killpg(child.pid, signal.SIGTERM)
+        child.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
+    except ProcessLookupError:   # it had ended already
+        child.wait()
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM to the parent, handled like Ctrl-C."""
+
+    def __init__(self, signum):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def raise_interrupted(signum, frame):
+    raise Interrupted(signum)
 
 
 def tail(path, lines):
@@ -353,12 +378,20 @@ RUNNING = set()   # process groups of the trainers a worker has started and not 
 
 
 def end_running_and_exit(signum, frame):
+    """The worker's SIGTERM handler: its trainers end, then the worker, at once. (Raising SystemExit
+    here would land in whatever frame runs, a weakref callback or a thread join, that may swallow
+    it and go on; the phase's results are on disk already, the Recorder writes each change.)"""
     for pgid in list(RUNNING):
         try:
             os.killpg(pgid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    sys.exit(128 + signum)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(128 + signum)
 
 
 def worker_main(phase, out):
@@ -1368,7 +1401,17 @@ def combine_train(first, later):
 
 
 def main(argv=None):
-    opts = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        return proof_main(sys.argv[1:] if argv is None else argv)
+    except KeyboardInterrupt as e:   # the phase's worker and its trainers were ended (run_phase_process)
+        signum = getattr(e, "signum", signal.SIGINT)
+        print(f"gpu_proof.py: interrupted ({signal.Signals(signum).name})", file=sys.stderr)
+        return 128 + signum
+
+
+def proof_main(argv):
+    signal.signal(signal.SIGTERM, raise_interrupted)   # the worker installs its own
+    opts = parse_args(argv)
     if opts.worker:
         return worker_main(opts.worker, opts.out)
     if opts.merge:

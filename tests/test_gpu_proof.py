@@ -5,8 +5,10 @@ work; logs are parsed in the speedrun's line format; reports of several commands
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -166,6 +168,54 @@ def test_existing_report_is_never_overwritten(tmp_path):
     result = run("--out", str(tmp_path), "--phases", "env")
     assert result.returncode == 2 and "report.json exists" in result.stderr
     assert (tmp_path / "report.json").read_text() == "{}"
+
+
+def processes_naming(text):
+    """{pid: command line} of the live processes whose command line holds text (zombies have an empty one)."""
+    found = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmdline:
+            found[int(pid)] = cmdline
+    return found
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the processes in /proc")
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_to_the_proof_ends_its_worker_and_trainers_in_one_line(tmp_path, signum):
+    """The worker runs in its own session (Ctrl-C at the terminal does not reach it) and so do its
+    trainers: the parent ends them, then itself, in one line."""
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--cpu-smoke", "--phases", "train", "--steps", "3",
+                             "--variant-steps", "3", "--variants", "", "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            env=dict(os.environ, TRITON_INTERPRET="1"))
+    try:
+        deadline = time.time() + 60
+        while not any("train_gpt.py" in c for c in processes_naming(str(out)).values()) and time.time() < deadline:
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.1)
+        assert any("--worker train" in c for c in processes_naming(str(out)).values())
+        proc.send_signal(signum)
+        sent = time.time()
+        stdout, stderr = proc.communicate(timeout=30)
+        ended_in = time.time() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        deadline = time.time() + 5
+        while processes_naming(str(out)) and time.time() < deadline:
+            time.sleep(0.1)
+        left = processes_naming(str(out))
+        for pid in left:   # not to outlive a failed test
+            os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == 128 + signum, stderr
+    assert stderr == f"gpu_proof.py: interrupted ({signal.Signals(signum).name})\n"
+    assert not left   # neither the worker nor its trainer goes on
+    assert ended_in < 8   # the worker ended on its SIGTERM, before the parent's SIGKILL 10 s later
 
 
 def test_parse_run_log_reads_the_speedrun_line_format():
