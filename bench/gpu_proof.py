@@ -101,7 +101,7 @@ def parse_args(argv):
                         + ", ".join(f"{k}={v}" for k, v in BUDGET_S.items()) + ")")
     p.add_argument("--cpu-smoke", action="store_true", help="every phase at tiny sizes on CPU (Triton interpreted)")
     p.add_argument("--merge", nargs="+", metavar="REPORT_JSON", help="merge these reports (later phases win) into "
-                   "--out (default records/gpu_proof/<date>_<device>)")
+                   "--out (default records/gpu_proof/<date>_<device>; --cpu-smoke reports: an --out outside it)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     opts = p.parse_args(argv)
 
@@ -1338,9 +1338,23 @@ def write_report(out, report):
         f.write(render_markdown(report))
 
 
+def load_report(path):
+    """A report.json of this script; ValueError naming the file if it is not one."""
+    try:
+        with open(path) as f:
+            report = json.load(f)
+    except ValueError as e:
+        raise ValueError(f"{path}: not a report.json of gpu_proof.py ({e})") from None
+    if not isinstance(report, dict) or not isinstance(report.get("meta"), dict) \
+            or not isinstance(report.get("phases"), dict) or not isinstance(report.get("commands"), list) \
+            or not isinstance(report.get("created"), str):
+        raise ValueError(f"{path}: not a report.json of gpu_proof.py (no meta, phases, commands and created)")
+    return report
+
+
 def merge_reports(paths):
     """One report from several (say one per command): phases of later reports replace earlier ones."""
-    reports = [json.load(open(p)) for p in paths]
+    reports = [load_report(p) for p in paths]
     devices = {r["meta"].get("device") for r in reports if r["meta"].get("device")}
     if len(devices) > 1:
         raise ValueError(f"the reports come from different devices: {sorted(devices)}")
@@ -1420,8 +1434,14 @@ def proof_main(argv):
         except (ValueError, KeyError, OSError) as e:
             print(f"gpu_proof.py: error: --merge: {e}", file=sys.stderr)
             return 2
-        out = opts.out or os.path.join(REPO_ROOT, "records", "gpu_proof",
-                                       f"{report['created'][:10]}_{device_slug(report)}")
+        proofs = os.path.join(REPO_ROOT, "records", "gpu_proof")
+        out = opts.out or os.path.join(proofs, f"{report['created'][:10]}_{device_slug(report)}")
+        inside = os.path.commonpath([os.path.realpath(out), os.path.realpath(proofs)]) == os.path.realpath(proofs)
+        if report.get("cpu_smoke") and inside:   # its newest folder is the latest GPU proof
+            smoke = next(p for p in opts.merge if load_report(p).get("cpu_smoke"))
+            print(f"gpu_proof.py: error: --merge: {smoke} is a --cpu-smoke report, no GPU proof: records/gpu_proof "
+                  "holds GPU proofs only; give --out DIR outside it", file=sys.stderr)
+            return 2
         if os.path.exists(os.path.join(out, "report.json")):
             print(f"gpu_proof.py: error: --out={out}: report.json exists; choose a new folder", file=sys.stderr)
             return 2

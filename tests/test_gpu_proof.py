@@ -5,6 +5,7 @@ work; logs are parsed in the speedrun's line format; reports of several commands
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -282,6 +283,39 @@ def written(tmp_path, *reports):
         gpu_proof.write_report(str(tmp_path / str(i)), report)
         paths.append(str(tmp_path / str(i) / "report.json"))
     return paths
+
+
+def test_merge_names_a_file_that_is_not_a_report(tmp_path):
+    (tmp_path / "list.json").write_text("[1]")
+    for path, why in ((ROOT / "README.md", "Expecting value"), (tmp_path / "list.json", "no meta")):
+        result = run("--merge", str(path), "--out", str(tmp_path / "merged"))
+        assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+        assert f"--merge: {path}: not a report.json of gpu_proof.py" in result.stderr and why in result.stderr
+    assert not (tmp_path / "merged").exists()
+
+
+def test_merge_keeps_cpu_smoke_reports_out_of_records_gpu_proof(tmp_path):
+    """records/gpu_proof holds GPU proofs (its newest folder is the latest one): a smoke report
+    merges only into a folder named elsewhere."""
+    env = {"device": "cpu", "train_gpt_sha256": "ab"}
+    gpu = gpu_proof.build_report({"env": fake_phase("env", values=env)}, ["cmd1"], False)
+    smoke = dict(gpu_proof.build_report({"train": fake_phase("train")}, ["cmd2"], True), created="2000-01-01T00:00:00")
+    paths = written(tmp_path, gpu, smoke)
+    default_out = ROOT / "records" / "gpu_proof" / "2000-01-01_cpu"
+    assert not default_out.exists()
+    try:
+        for out in ([], ["--out", str(ROOT / "records" / "gpu_proof" / "smoke")]):
+            result = run("--merge", *paths, *out)
+            assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+            assert f"--merge: {paths[1]} is a --cpu-smoke report" in result.stderr and "--out" in result.stderr
+            assert not default_out.exists() and not (ROOT / "records" / "gpu_proof" / "smoke").exists()
+    finally:   # what the old code wrote
+        for folder in (default_out, ROOT / "records" / "gpu_proof" / "smoke"):
+            if folder.exists():
+                shutil.rmtree(folder)
+    result = run("--merge", *paths, "--out", str(tmp_path / "merged"))
+    assert result.returncode == 0, result.stderr
+    assert "CPU smoke run" in (tmp_path / "merged" / "report.md").read_text()
 
 
 def test_merge_adds_a_later_train_run_and_keeps_the_first_main_run(tmp_path):
