@@ -20,6 +20,7 @@ PEER = ROOT.parent / "shared" / "peers" / "modded-nanogpt_9d9dc969_train_gpt.py"
 sys.path.insert(0, str(ROOT))
 
 from bench import gpu_proof  # noqa: E402
+from conftest import processes_naming, sigint_as_at_a_terminal  # noqa: E402
 
 
 def run(*args, timeout=60):
@@ -171,19 +172,6 @@ def test_existing_report_is_never_overwritten(tmp_path):
     assert (tmp_path / "report.json").read_text() == "{}"
 
 
-def processes_naming(text):
-    """{pid: command line} of the live processes whose command line holds text (zombies have an empty one)."""
-    found = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if text in cmdline:
-            found[int(pid)] = cmdline
-    return found
-
-
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the processes in /proc")
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_to_the_proof_ends_its_worker_and_trainers_in_one_line(tmp_path, signum):
@@ -193,7 +181,7 @@ def test_a_signal_to_the_proof_ends_its_worker_and_trainers_in_one_line(tmp_path
     proc = subprocess.Popen([sys.executable, str(SCRIPT), "--cpu-smoke", "--phases", "train", "--steps", "3",
                              "--variant-steps", "3", "--variants", "", "--out", str(out)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                            env=dict(os.environ, TRITON_INTERPRET="1"))
+                            env=dict(os.environ, TRITON_INTERPRET="1"), preexec_fn=sigint_as_at_a_terminal)
     try:
         deadline = time.time() + 60
         while not any("train_gpt.py" in c for c in processes_naming(str(out)).values()) and time.time() < deadline:
