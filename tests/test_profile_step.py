@@ -121,7 +121,8 @@ def test_a_run_that_ends_inside_the_window_stops_the_profiler_and_exits_cleanly(
         "    opt.step()\n")
     out = tmp_path / "prof"
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "profile_step.py"), "--out", str(out),
-                        "--steps", "1:5", "--script", str(script)], capture_output=True, text=True, timeout=120, cwd=ROOT)
+                        "--steps", "1:5", "--script", str(script)],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.returncode == 1, (r.returncode, r.stderr[-2000:])   # it was -11 (a segfault): the profiler left running
     assert "the run ended before step 5: nothing profiled" in r.stderr
     assert "callback is not found" not in r.stderr and not (out / "kernels.txt").exists()
