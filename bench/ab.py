@@ -19,8 +19,10 @@ import math
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -33,12 +35,21 @@ sys.path.insert(0, str(REPO_ROOT / "records"))
 sys.path.insert(0, str(REPO_ROOT / "data"))
 
 import compare  # noqa: E402
-from cli_util import OneLineArgumentParser, fail, positive_int  # noqa: E402
+from cli_util import OneLineArgumentParser, positive_int  # noqa: E402
 
 DEFAULT_COMMON = "--preset cpu --num_iterations 120 --val_every 20"
 # Set by this script for each run; a configuration may not set them.
 OWN_FLAGS = ("seed", "run_name", "log_dir", "threads")
 LABEL_RE = re.compile(r"^[A-Za-z0-9._-]+$")
+RUNNING = set()                  # the trainer processes running now
+STARTING = threading.Lock()      # held while one starts, and while interruption ends them all
+STOPPED = threading.Event()      # set on Ctrl-C (or SIGTERM): no run starts any more
+
+
+def fail(message):
+    """A bad argument in one line, as argparse says it: `ab.py: error: ...`, exit status 2."""
+    print(f"ab.py: error: {message}", file=sys.stderr)
+    sys.exit(2)
 
 
 def split_flags(flags, where):
@@ -115,7 +126,13 @@ def run_one(job, out, threads):
                f"--run_name={run_name}", f"--log_dir={out / 'logs'}", f"--threads={threads}"]
     started = time.time()
     with open(out / "logs" / f"{run_name}.out", "w") as console:
-        code = subprocess.run(command, cwd=REPO_ROOT, stdout=console, stderr=subprocess.STDOUT).returncode
+        with STARTING:
+            if STOPPED.is_set():
+                return None
+            proc = subprocess.Popen(command, cwd=REPO_ROOT, stdout=console, stderr=subprocess.STDOUT)
+            RUNNING.add(proc)
+        code = proc.wait()
+        RUNNING.discard(proc)
     logs = run_logs(out, run_name, since=started - 1)  # this run's, not an earlier interrupted one's
     run = compare.parse_log(logs[-1]) if logs else None
     problem = None
@@ -128,6 +145,30 @@ def run_one(job, out, threads):
         problem = f"exit status {code}"
     return dict(label=label, seed=seed, run=run, problem=problem, seconds=time.time() - started,
                 log=str(logs[-1]) if logs else None)
+
+
+def end_runs(pool):
+    """On Ctrl-C: no further run starts, the running ones are ended (SIGTERM: each stops at its next
+    check; SIGKILL 10 s later), and the pool's threads return."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)   # a second Ctrl-C must not leave a run going
+    with STARTING:
+        STOPPED.set()
+        running = list(RUNNING)
+    pool.shutdown(wait=False, cancel_futures=True)
+    for proc in running:
+        proc.terminate()
+    deadline = time.time() + 10
+    for proc in running:
+        try:
+            proc.wait(timeout=max(deadline - time.time(), 0.1))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def raise_keyboard_interrupt(signum, frame):
+    raise KeyboardInterrupt(signum)
 
 
 def detectable_difference(sd, n):
@@ -319,11 +360,15 @@ def main(argv=None):
     print(f"{len(jobs)} runs ({len(configs)} configurations x {args.seeds} seeds), {parallel} at a time, "
           f"{args.threads} thread(s) each; logs in {out / 'logs'}", flush=True)
     with ThreadPoolExecutor(parallel) as pool:
-        for done, result in enumerate(pool.map(lambda job: run_one(job, out, args.threads), jobs), start=1):
-            loss = result["run"].final_val_loss if result["run"] else None
-            print(f"[{done}/{len(jobs)}] {result['label']} seed {result['seed']}: "
-                  f"{result['problem'] or f'final val loss {fmt(loss)}'} ({result['seconds']:.0f} s)", flush=True)
-            results.append(result)
+        try:
+            for done, result in enumerate(pool.map(lambda job: run_one(job, out, args.threads), jobs), start=1):
+                loss = result["run"].final_val_loss if result["run"] else None
+                print(f"[{done}/{len(jobs)}] {result['label']} seed {result['seed']}: "
+                      f"{result['problem'] or f'final val loss {fmt(loss)}'} ({result['seconds']:.0f} s)", flush=True)
+                results.append(result)
+        except KeyboardInterrupt:
+            end_runs(pool)
+            raise
 
     order = {(label, seed): i for i, (label, seed) in
              enumerate((label, seed) for seed in range(args.seeds) for label, _ in configs)}
@@ -348,4 +393,11 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    signal.signal(signal.SIGTERM, raise_keyboard_interrupt)   # ends the runs as Ctrl-C does
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt as e:
+        signum = e.args[0] if e.args else signal.SIGINT
+        print(f"ab.py: interrupted ({signal.Signals(signum).name}); finished runs can be reused with --resume",
+              file=sys.stderr)
+        sys.exit(128 + signum)

@@ -37,6 +37,7 @@ cap_final=True), the table that held level with Newton-Schulz in bench/ab.py's A
 best-scoring derive_schedule(3.2e-3, 4) was worse (README, "Benchmarks").
 
 CLI:  python bench/derive_aol_coeffs.py --lower 1e-3 --steps 5
+      python bench/derive_aol_coeffs.py --lower 1e-3 --steps 4 --cap-final     # train_gpt.AOL_COEFFS
       python bench/derive_aol_coeffs.py --from-samples bench/momentum_samples.pt --steps 4
 """
 
@@ -185,12 +186,12 @@ def spectrum_rms_error(schedule, singular_values):
     return float(np.sqrt(np.mean((x - 1) ** 2)))
 
 
-def lower_bound_from_spectrum(singular_values, steps, safety=1.02, cushion=0.02):
+def lower_bound_from_spectrum(singular_values, steps, safety=1.02, cushion=0.02, cap_final=False):
     """[(quantile, lower, rms error)] for each candidate and the best lower bound."""
     sweep = []
     for q in CANDIDATE_QUANTILES:
         lower = float(np.quantile(singular_values, q))
-        schedule = derive_schedule(lower, steps, safety, cushion)
+        schedule = derive_schedule(lower, steps, safety, cushion, cap_final=cap_final)
         sweep.append((q, lower, spectrum_rms_error(schedule, singular_values)))
     best = min(sweep, key=lambda row: row[2])
     return sweep, best[1]
@@ -208,6 +209,9 @@ def main():
     parser.add_argument("--upper", type=positive_float, default=1.0, help="largest singular value before the first step")
     parser.add_argument("--safety", type=positive_float, default=1.02)
     parser.add_argument("--cushion", type=positive_float, default=0.02)
+    parser.add_argument("--cap-final", action="store_true",
+                        help="scale the last step so that its largest value is 1, not 1 + E (train_gpt.AOL_COEFFS is "
+                             "--lower 1e-3 --steps 4 --cap-final)")
     parser.add_argument("--name", default="AOL_COEFFS", help="name of the printed Python constant")
     args = parser.parse_args()
     if args.lower > args.upper:
@@ -221,13 +225,14 @@ def main():
                 print(f"# {name}[{i}] after AOL: min {sv.min():.3g}, 1st percentile {np.quantile(sv, 0.01):.3g}, "
                       f"median {np.median(sv):.3g}, max {sv.max():.3g}")
                 spectra.append(sv)
-        sweep, args.lower = lower_bound_from_spectrum(np.concatenate(spectra), args.steps, args.safety, args.cushion)
+        sweep, args.lower = lower_bound_from_spectrum(np.concatenate(spectra), args.steps, args.safety, args.cushion,
+                                                      args.cap_final)
         for q, lower, error in sweep:
             print(f"# lower = {q:.1%} quantile = {lower:.3g}: RMS |p(sigma) - 1| over the samples {error:.4f}")
-    schedule = derive_schedule(args.lower, args.steps, args.safety, args.cushion, args.upper)
+    schedule = derive_schedule(args.lower, args.steps, args.safety, args.cushion, args.upper, cap_final=args.cap_final)
     bounds = singular_value_interval(schedule, args.lower, args.upper)
     print(f"# derive_schedule(lower={args.lower}, steps={args.steps}, safety={args.safety}, "
-          f"cushion={args.cushion}, upper={args.upper})")
+          f"cushion={args.cushion}, upper={args.upper}{', cap_final=True' if args.cap_final else ''})")
     print(f"{args.name} = [")
     for (a, b, c), (lo, hi) in zip(schedule, bounds):
         print(f"    ({a!r}, {b!r}, {c!r}),  # singular values then in [{lo:.4g}, {hi:.4g}]")

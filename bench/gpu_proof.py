@@ -101,7 +101,7 @@ def parse_args(argv):
                         + ", ".join(f"{k}={v}" for k, v in BUDGET_S.items()) + ")")
     p.add_argument("--cpu-smoke", action="store_true", help="every phase at tiny sizes on CPU (Triton interpreted)")
     p.add_argument("--merge", nargs="+", metavar="REPORT_JSON", help="merge these reports (later phases win) into "
-                   "--out (default records/gpu_proof/<date>_<device>)")
+                   "--out (default records/gpu_proof/<date>_<device>; --cpu-smoke reports: an --out outside it)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     opts = p.parse_args(argv)
 
@@ -243,12 +243,12 @@ def run_phase_process(phase, out, budget, env):
             child.wait(timeout=budget + 20)   # the worker watches its own budget; this is the backstop
         except subprocess.TimeoutExpired:
             timed_out = True
-            os.killpg(child.pid, signal.SIGTERM)   # the worker ends the trainers it started, then itself
-            try:
-                child.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(child.pid, signal.SIGKILL)
-                child.wait()
+            end_worker(child)
+        except KeyboardInterrupt:   # Ctrl-C or SIGTERM here: the worker, in its own session, ends too
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(signum, signal.SIG_IGN)   # a second Ctrl-C must not leave it running
+            end_worker(child)
+            raise
     try:
         with open(json_path) as f:
             result = json.load(f)
@@ -264,6 +264,31 @@ def run_phase_process(phase, out, budget, env):
     if result["status"] in ("timeout", "crashed"):
         result["errors"].append({"check": "phase process (log tail)", "traceback": tail(log_path, 60)})
     return result
+
+
+def end_worker(child):
+    """SIGTERM to the worker's process group (the worker ends the trainers it started, then
+    itself), SIGKILL if it is still there 10 s later."""
+    try:
+        os.killpg(child.pid, signal.SIGTERM)
+        child.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
+    except ProcessLookupError:   # it had ended already
+        child.wait()
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM to the parent, handled like Ctrl-C."""
+
+    def __init__(self, signum):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def raise_interrupted(signum, frame):
+    raise Interrupted(signum)
 
 
 def tail(path, lines):
@@ -353,12 +378,20 @@ RUNNING = set()   # process groups of the trainers a worker has started and not 
 
 
 def end_running_and_exit(signum, frame):
+    """The worker's SIGTERM handler: its trainers end, then the worker, at once. (Raising SystemExit
+    here would land in whatever frame runs, a weakref callback or a thread join, that may swallow
+    it and go on; the phase's results are on disk already, the Recorder writes each change.)"""
     for pgid in list(RUNNING):
         try:
             os.killpg(pgid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    sys.exit(128 + signum)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(128 + signum)
 
 
 def worker_main(phase, out):
@@ -1305,9 +1338,23 @@ def write_report(out, report):
         f.write(render_markdown(report))
 
 
+def load_report(path):
+    """A report.json of this script; ValueError naming the file if it is not one."""
+    try:
+        with open(path) as f:
+            report = json.load(f)
+    except ValueError as e:
+        raise ValueError(f"{path}: not a report.json of gpu_proof.py ({e})") from None
+    if not isinstance(report, dict) or not isinstance(report.get("meta"), dict) \
+            or not isinstance(report.get("phases"), dict) or not isinstance(report.get("commands"), list) \
+            or not isinstance(report.get("created"), str):
+        raise ValueError(f"{path}: not a report.json of gpu_proof.py (no meta, phases, commands and created)")
+    return report
+
+
 def merge_reports(paths):
     """One report from several (say one per command): phases of later reports replace earlier ones."""
-    reports = [json.load(open(p)) for p in paths]
+    reports = [load_report(p) for p in paths]
     devices = {r["meta"].get("device") for r in reports if r["meta"].get("device")}
     if len(devices) > 1:
         raise ValueError(f"the reports come from different devices: {sorted(devices)}")
@@ -1368,7 +1415,17 @@ def combine_train(first, later):
 
 
 def main(argv=None):
-    opts = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        return proof_main(sys.argv[1:] if argv is None else argv)
+    except KeyboardInterrupt as e:   # the phase's worker and its trainers were ended (run_phase_process)
+        signum = getattr(e, "signum", signal.SIGINT)
+        print(f"gpu_proof.py: interrupted ({signal.Signals(signum).name})", file=sys.stderr)
+        return 128 + signum
+
+
+def proof_main(argv):
+    signal.signal(signal.SIGTERM, raise_interrupted)   # the worker installs its own
+    opts = parse_args(argv)
     if opts.worker:
         return worker_main(opts.worker, opts.out)
     if opts.merge:
@@ -1377,8 +1434,14 @@ def main(argv=None):
         except (ValueError, KeyError, OSError) as e:
             print(f"gpu_proof.py: error: --merge: {e}", file=sys.stderr)
             return 2
-        out = opts.out or os.path.join(REPO_ROOT, "records", "gpu_proof",
-                                       f"{report['created'][:10]}_{device_slug(report)}")
+        proofs = os.path.join(REPO_ROOT, "records", "gpu_proof")
+        out = opts.out or os.path.join(proofs, f"{report['created'][:10]}_{device_slug(report)}")
+        inside = os.path.commonpath([os.path.realpath(out), os.path.realpath(proofs)]) == os.path.realpath(proofs)
+        if report.get("cpu_smoke") and inside:   # its newest folder is the latest GPU proof
+            smoke = next(p for p in opts.merge if load_report(p).get("cpu_smoke"))
+            print(f"gpu_proof.py: error: --merge: {smoke} is a --cpu-smoke report, no GPU proof: records/gpu_proof "
+                  "holds GPU proofs only; give --out DIR outside it", file=sys.stderr)
+            return 2
         if os.path.exists(os.path.join(out, "report.json")):
             print(f"gpu_proof.py: error: --out={out}: report.json exists; choose a new folder", file=sys.stderr)
             return 2

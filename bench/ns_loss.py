@@ -28,13 +28,23 @@ def main():
     parser.add_argument("extra", nargs="*", help="more trainer options, e.g. --normuon true (after --)")
     args = parser.parse_args()
     os.chdir(REPO_ROOT)
+    try:  # every method's configuration is checked before the first run
+        configs = [train_gpt.parse_config(["--preset", "cpu", f"--num_iterations={args.steps}",
+                                           f"--ns_method={method}", *args.extra], {}, 1, torch.cuda.is_available())
+                   for method in args.methods]
+    except train_gpt.ConfigError as e:
+        parser.error(str(e))
+    except train_gpt.HelpRequested as e:
+        print(e)
+        return
     train_gpt.keep_freed_memory_on_cpu()
     torch.set_num_threads(os.cpu_count() or 1)
     rows = []
-    for method in args.methods:
-        argv = ["--preset", "cpu", f"--num_iterations={args.steps}", f"--ns_method={method}", *args.extra]
-        config = train_gpt.parse_config(argv, {}, 1, torch.cuda.is_available())
-        hw = train_gpt.Hardware.detect(config)
+    for method, config in zip(args.methods, configs):
+        try:
+            hw = train_gpt.Hardware.detect(config)
+        except train_gpt.ConfigError as e:
+            parser.error(str(e))
         started = time.time()
         result = train_gpt.train(config, train_gpt.Ranks(), hw, lambda *a, **k: None)
         curve = " ".join(f"{step}:{loss:.4f}" for step, loss in result.val_losses)
@@ -47,4 +57,10 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except train_gpt.DataError as e:  # the data files: one line naming them
+        sys.exit(f"ns_loss.py: error: {e}")
+    except KeyboardInterrupt:  # the runs are in this process: nothing is left running
+        print("ns_loss.py: interrupted", file=sys.stderr)
+        sys.exit(130)

@@ -3,7 +3,7 @@
 The figures this project was given (its fact sheet, ../shared/SPEEDRUN_FACTS.md, which is not
 part of the repository): NS5 0.162, PE5 0.096, AOL+PE(2-5) 0.096, AOL+Dion(2-5) 0.018, measured in
 fp64 and in emulated bf16. Prints both precisions next to the quoted values.
-Takes about a minute per matrix on a 2-core CPU (the fp64 SVD dominates).
+Takes about 10 s for the default 2 matrices on a 2-core CPU (2026-11-25; the fp64 SVD dominates).
 
 Usage: python bench/polar_error_facts.py [--batch 2] [--seed 0]
 """

@@ -124,6 +124,16 @@ def main(argv=None):
         p.error(f"--steps: {e}")
     if opts.script and not os.path.isfile(opts.script):
         p.error(f"--script={opts.script}: no such file")
+    if not opts.script:  # the trainer's own steps: a window past its last step would profile nothing
+        try:
+            args = train_gpt.parse_config(trainer, os.environ, train_gpt.Ranks.from_env(os.environ).world_size)
+        except train_gpt.ConfigError as e:
+            p.error(f"trainer options: {e}")
+        except train_gpt.HelpRequested:
+            args = None  # the trainer prints its help
+        if args is not None and last > args.num_iterations:
+            p.error(f"--steps={opts.steps}: the run ends at step {args.num_iterations} (--num_iterations); "
+                    f"choose B <= {args.num_iterations}")
     if os.path.exists(os.path.join(opts.out, "kernels.txt")):
         p.error(f"--out={opts.out}: kernels.txt exists; choose a new folder")
     os.makedirs(opts.out, exist_ok=True)
@@ -157,19 +167,23 @@ def main(argv=None):
                 f.write(summary)
             print(f"[profile_step] steps {first + 1}..{last} written to {opts.out}\n{summary}", flush=True)
 
-    if opts.script:
-        status = run_script(opts.script, trainer, on_step)
-    else:
-        trainer_train = train_gpt.train
+    try:
+        if opts.script:
+            status = run_script(opts.script, trainer, on_step)
+        else:
+            trainer_train = train_gpt.train
 
-        def train(*args, **kwargs):
-            return trainer_train(*args, **dict(kwargs, on_step=on_step))
+            def train(*args, **kwargs):
+                return trainer_train(*args, **dict(kwargs, on_step=on_step))
 
-        train_gpt.train = train   # main() looks train up in the module when it runs
-        try:
-            status = train_gpt.main(trainer)
-        finally:
-            train_gpt.train = trainer_train
+            train_gpt.train = train   # main() looks train up in the module when it runs
+            try:
+                status = train_gpt.main(trainer)
+            finally:
+                train_gpt.train = trainer_train
+    finally:
+        if "prof" in state:  # the run ended inside the window: a profiler left running crashes the exit
+            state.pop("prof").__exit__(None, None, None)
     if not os.path.exists(os.path.join(opts.out, "kernels.txt")):
         print(f"[profile_step] the run ended before step {last}: nothing profiled", file=sys.stderr)
         return 1

@@ -34,7 +34,10 @@ def main():
     parser.add_argument("--context", type=positive_int, default=200)
     options = parser.parse_args()
     torch.set_num_threads(options.threads)
-    checkpoint = train_gpt.read_checkpoint(options.checkpoint, "checkpoint")
+    try:
+        checkpoint = train_gpt.read_checkpoint(options.checkpoint, "checkpoint")
+    except train_gpt.ConfigError as e:  # no such file, or not a checkpoint: the message names it
+        parser.error(str(e))
     args = train_gpt.Hyperparameters(**checkpoint["config"])
     hw = train_gpt.Hardware(torch.device("cpu"), torch.float32, "sdpa", False, "torch", "gloo")
     model = train_gpt.GPT(args, hw).eval()
@@ -56,4 +59,8 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("sample_speed.py: interrupted", file=sys.stderr)
+        sys.exit(130)

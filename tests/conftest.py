@@ -1,6 +1,7 @@
 """Shared test set-up: import paths, the Triton interpreter on CPU, small synthetic shards."""
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -78,3 +79,23 @@ def perturbed_tiny_model(scale=0.02, **overrides):
         for p in model.parameters():
             p.add_(scale * torch.randn_like(p))
     return args, hw, model
+
+
+def processes_naming(text):
+    """{pid: command line} of the live processes whose command line holds text (zombies have an
+    empty one): what a script left running."""
+    found = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmdline:
+            found[int(pid)] = cmdline
+    return found
+
+
+def sigint_as_at_a_terminal():
+    """preexec_fn: Ctrl-C's default for the child, which inherits SIG_IGN where the tests were
+    started in the background (Python then never raises KeyboardInterrupt)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

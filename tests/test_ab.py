@@ -6,15 +6,17 @@ import json
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 from scipy import stats
 
-from conftest import ROOT, tiny_argv
+from conftest import ROOT, processes_naming, sigint_as_at_a_terminal, tiny_argv
 
 AB = str(ROOT / "bench" / "ab.py")
 VAL_RE = re.compile(r"^step:(\d+)/(\d+) val_loss:(\S+) ")
@@ -86,9 +88,42 @@ def test_ab_end_to_end(make_shards, tmp_path):
 def test_bad_arguments_fail_in_one_line_before_any_run(tmp_path, argv, message):
     out = tmp_path / "ab"
     done = subprocess.run([sys.executable, AB, *argv, "--out", str(out)], capture_output=True, text=True, timeout=60)
-    assert done.returncode != 0
+    assert done.returncode == 2 and done.stderr.startswith("ab.py: error: "), done.stderr   # argparse's or ours
     assert message in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert not out.exists()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the processes in /proc")
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_ends_the_ab_and_its_runs_in_one_line(make_shards, tmp_path, signum):
+    train_glob, val_glob, _ = make_shards()
+    common = shlex.join(tiny_argv(train_files=train_glob, val_files=val_glob, num_iterations=10_000, val_every=0))
+    out = tmp_path / "ab"
+    proc = subprocess.Popen([sys.executable, AB, "--config", "a=", "--seeds", "3", "--parallel", "1",
+                             "--common", common, "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, preexec_fn=sigint_as_at_a_terminal)
+    try:
+        deadline = time.time() + 60
+        while not any("train_gpt.py" in c for c in processes_naming(str(out)).values()) and time.time() < deadline:
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.1)
+        proc.send_signal(signum)   # to ab.py alone: it must end the run it started
+        stdout, stderr = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        deadline = time.time() + 5
+        while processes_naming(str(out)) and time.time() < deadline:
+            time.sleep(0.1)
+        left = processes_naming(str(out))
+        for pid in left:   # not to outlive a failed test
+            os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == 128 + signum, stderr
+    name = signal.Signals(signum).name
+    assert "Traceback" not in stderr and stderr.strip().splitlines()[-1] == \
+        f"ab.py: interrupted ({name}); finished runs can be reused with --resume"
+    assert not left
+    assert [p.name for p in (out / "logs").glob("*.out")] == ["ab_a_s0.out"]   # no later run started
 
 
 def test_an_existing_report_is_never_overwritten(tmp_path):

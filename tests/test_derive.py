@@ -121,3 +121,20 @@ def test_committed_samples_are_captures_from_several_steps():
                       for step in (50, 150, 300) for shape, count in (("768x768", 2), ("768x3072", 1))}
     for name, values in post_aol_singular_values(samples).items():
         assert values.max() <= 1 + 1e-9 and values.min() > 0, name
+
+
+def test_the_command_line_prints_the_shipped_aol_table():
+    """README's generator command, with --cap-final, prints train_gpt.AOL_COEFFS (valid Python)."""
+    import ast
+    import subprocess
+
+    import train_gpt
+    done = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "bench", "derive_aol_coeffs.py"), "--lower", "1e-3",
+                           "--steps", "4", "--cap-final"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("# derive_schedule(lower=0.001, steps=4, safety=1.02, cushion=0.02, upper=1.0, "
+                                  "cap_final=True)\nAOL_COEFFS = [\n")
+    (assignment,) = ast.parse(done.stdout).body
+    printed = ast.literal_eval(assignment.value)
+    np.testing.assert_allclose(np.array(printed), np.array(train_gpt.AOL_COEFFS), rtol=1e-12)
+    assert "singular values then in [0.2694, 1]" in done.stdout.splitlines()[-2]   # capped: it ends at 1

@@ -5,8 +5,11 @@ work; logs are parsed in the speedrun's line format; reports of several commands
 import json
 import math
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +20,7 @@ PEER = ROOT.parent / "shared" / "peers" / "modded-nanogpt_9d9dc969_train_gpt.py"
 sys.path.insert(0, str(ROOT))
 
 from bench import gpu_proof  # noqa: E402
+from conftest import processes_naming, sigint_as_at_a_terminal  # noqa: E402
 
 
 def run(*args, timeout=60):
@@ -168,6 +172,41 @@ def test_existing_report_is_never_overwritten(tmp_path):
     assert (tmp_path / "report.json").read_text() == "{}"
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the processes in /proc")
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_to_the_proof_ends_its_worker_and_trainers_in_one_line(tmp_path, signum):
+    """The worker runs in its own session (Ctrl-C at the terminal does not reach it) and so do its
+    trainers: the parent ends them, then itself, in one line."""
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--cpu-smoke", "--phases", "train", "--steps", "3",
+                             "--variant-steps", "3", "--variants", "", "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            env=dict(os.environ, TRITON_INTERPRET="1"), preexec_fn=sigint_as_at_a_terminal)
+    try:
+        deadline = time.time() + 60
+        while not any("train_gpt.py" in c for c in processes_naming(str(out)).values()) and time.time() < deadline:
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.1)
+        assert any("--worker train" in c for c in processes_naming(str(out)).values())
+        proc.send_signal(signum)
+        sent = time.time()
+        stdout, stderr = proc.communicate(timeout=30)
+        ended_in = time.time() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        deadline = time.time() + 5
+        while processes_naming(str(out)) and time.time() < deadline:
+            time.sleep(0.1)
+        left = processes_naming(str(out))
+        for pid in left:   # not to outlive a failed test
+            os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == 128 + signum, stderr
+    assert stderr == f"gpu_proof.py: interrupted ({signal.Signals(signum).name})\n"
+    assert not left   # neither the worker nor its trainer goes on
+    assert ended_in < 8   # the worker ended on its SIGTERM, before the parent's SIGKILL 10 s later
+
+
 def test_parse_run_log_reads_the_speedrun_line_format():
     lines = ["code with f-strings: step:{step}/{N} val_loss:{val_loss:.4f}", "=" * 100,
              "step:0/30 val_loss:10.8258 train_time:0ms step_avg:0.02ms"]
@@ -232,6 +271,39 @@ def written(tmp_path, *reports):
         gpu_proof.write_report(str(tmp_path / str(i)), report)
         paths.append(str(tmp_path / str(i) / "report.json"))
     return paths
+
+
+def test_merge_names_a_file_that_is_not_a_report(tmp_path):
+    (tmp_path / "list.json").write_text("[1]")
+    for path, why in ((ROOT / "README.md", "Expecting value"), (tmp_path / "list.json", "no meta")):
+        result = run("--merge", str(path), "--out", str(tmp_path / "merged"))
+        assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+        assert f"--merge: {path}: not a report.json of gpu_proof.py" in result.stderr and why in result.stderr
+    assert not (tmp_path / "merged").exists()
+
+
+def test_merge_keeps_cpu_smoke_reports_out_of_records_gpu_proof(tmp_path):
+    """records/gpu_proof holds GPU proofs (its newest folder is the latest one): a smoke report
+    merges only into a folder named elsewhere."""
+    env = {"device": "cpu", "train_gpt_sha256": "ab"}
+    gpu = gpu_proof.build_report({"env": fake_phase("env", values=env)}, ["cmd1"], False)
+    smoke = dict(gpu_proof.build_report({"train": fake_phase("train")}, ["cmd2"], True), created="2000-01-01T00:00:00")
+    paths = written(tmp_path, gpu, smoke)
+    default_out = ROOT / "records" / "gpu_proof" / "2000-01-01_cpu"
+    assert not default_out.exists()
+    try:
+        for out in ([], ["--out", str(ROOT / "records" / "gpu_proof" / "smoke")]):
+            result = run("--merge", *paths, *out)
+            assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+            assert f"--merge: {paths[1]} is a --cpu-smoke report" in result.stderr and "--out" in result.stderr
+            assert not default_out.exists() and not (ROOT / "records" / "gpu_proof" / "smoke").exists()
+    finally:   # what the old code wrote
+        for folder in (default_out, ROOT / "records" / "gpu_proof" / "smoke"):
+            if folder.exists():
+                shutil.rmtree(folder)
+    result = run("--merge", *paths, "--out", str(tmp_path / "merged"))
+    assert result.returncode == 0, result.stderr
+    assert "CPU smoke run" in (tmp_path / "merged" / "report.md").read_text()
 
 
 def test_merge_adds_a_later_train_run_and_keeps_the_first_main_run(tmp_path):

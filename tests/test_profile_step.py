@@ -95,3 +95,34 @@ def test_kernel_families_by_name():
     assert family("void cublasLt::splitKreduce_kernel<32, 16>") == "GEMM (cuBLAS/CUTLASS)"
     assert family("triton_red_fused__log_softmax_1") == "inductor kernels"
     assert family("ncclDevKernel_AllGather_RING_LL") == "NCCL"
+
+
+def test_a_window_past_the_runs_last_step_is_refused_before_the_run(tmp_path):
+    out = tmp_path / "prof"
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "profile_step.py"), "--out", str(out), "--steps", "4:9",
+                        "--", "--preset", "cpu", "--num_iterations", "5"],
+                       capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "--steps=4:9" in r.stderr and "step 5" in r.stderr and "--num_iterations" in r.stderr
+    assert not out.exists() and "step:" not in r.stdout   # refused before anything ran
+    bad = subprocess.run([sys.executable, str(ROOT / "bench" / "profile_step.py"), "--out", str(out),
+                          "--", "--bogus", "1"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert bad.returncode == 2 and "unknown option --bogus" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_a_run_that_ends_inside_the_window_stops_the_profiler_and_exits_cleanly(tmp_path):
+    script = tmp_path / "short_train.py"
+    script.write_text(
+        "import torch\n"
+        "model = torch.nn.Linear(8, 8)\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "for step in range(3):\n"
+        "    model(torch.randn(16, 8)).square().sum().backward()\n"
+        "    opt.step()\n")
+    out = tmp_path / "prof"
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "profile_step.py"), "--out", str(out),
+                        "--steps", "1:5", "--script", str(script)],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 1, (r.returncode, r.stderr[-2000:])   # it was -11 (a segfault): the profiler left running
+    assert "the run ended before step 5: nothing profiled" in r.stderr
+    assert "callback is not found" not in r.stderr and not (out / "kernels.txt").exists()
