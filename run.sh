@@ -12,7 +12,7 @@
 # Run from anywhere: paths you pass are relative to your folder, as with `python train_gpt.py`
 # (the default data folders are this repository's, wherever you start from).
 set -euo pipefail
-trainer="$(cd "$(dirname "$0")" && pwd)/train_gpt.py"
+trainer="$(CDPATH= cd -- "$(dirname -- "$0")" >/dev/null && pwd)/train_gpt.py"
 PYTHON=${PYTHON:-python3}
 fail() { echo "run.sh: $*" >&2; exit 2; }
 for name in NPROC NNODES NODE_RANK MASTER_PORT DIST_TIMEOUT_S; do

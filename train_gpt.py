@@ -428,8 +428,9 @@ def check_config(args, world_size, cuda_available):
     need(args.ns_backend != "triton" or triton is not None, "--ns_backend=triton: triton is not installed")
     need(args.ns_backend != "triton" or uses_cuda(args, cuda_available) or TRITON_INTERPRETING,
          "--ns_backend=triton: needs a CUDA device (or TRITON_INTERPRET=1 for tests)")
-    need(not args.prompt or args.sample, "--prompt: only --sample reads it (--sample CHECKPOINT --prompt TEXT)")
-    need(not (args.sample and args.resume), "--sample and --resume: choose one (sampling trains nothing)")
+    need(not args.prompt or args.sample,
+         "--prompt (or PROMPT): only --sample reads it (--sample CHECKPOINT --prompt TEXT)")
+    need(not (args.sample and args.resume), "--sample and --resume (or SAMPLE and RESUME): choose one")
     need(not args.checkpoint_every or args.save_checkpoint,
          f"--checkpoint_every={args.checkpoint_every}: needs --save_checkpoint true")
 
@@ -653,7 +654,12 @@ POLAR_EXPRESS_COEFFS = [
 # options"): Polar Express's first three, then a fourth capped so that the largest singular value
 # is 1, not 1 + E (bench/derive_aol_coeffs.py, cap_final).
 AOL_COEFFS_LOWER_BOUND = 1e-3  # the l the table was derived for
-AOL_COEFFS = POLAR_EXPRESS_COEFFS[:3] + [(2.1272002635096783, -1.595067874749505, 0.3254997506575241)]
+AOL_COEFFS = [  # as bench/derive_aol_coeffs.py --lower 1e-3 --steps 4 --cap-final prints it
+    (8.156554524902461, -22.483292925577953, 15.878769915207466),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (2.1272002635096783, -1.595067874749505, 0.3254997506575241),
+]
 
 # Floors for the first-step scale. AOL's floor only guards all-zero rows (any row
 # sum below it gets a smaller scale, which keeps the Schur bound); it is tiny so
@@ -2542,6 +2548,10 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
             result.failure = f"{where}failed at step {step}/{N}: {type(e).__name__}: {first_line(e)}"
             result.traceback_logged = True
         result.exit_code, result.crashed = EXIT_ERROR, True
+    except BaseException:  # KeyboardInterrupt where no StopSignals watch (tests, bench scripts)
+        if batches is not None:
+            batches.close()
+        raise
     if result.failure and (result.exit_code != EXIT_ERROR or result.crashed):
         log(result.failure, console=not result.crashed)  # main() prints a crash (on every rank) and a failed write
     try:

@@ -107,6 +107,7 @@ def test_a_signal_ends_the_ab_and_its_runs_in_one_line(make_shards, tmp_path, si
         while not any("train_gpt.py" in c for c in processes_naming(str(out)).values()) and time.time() < deadline:
             assert proc.poll() is None, proc.communicate()
             time.sleep(0.1)
+        assert any("train_gpt.py" in c for c in processes_naming(str(out)).values()), "no trainer started"
         proc.send_signal(signum)   # to ab.py alone: it must end the run it started
         stdout, stderr = proc.communicate(timeout=30)
     finally:

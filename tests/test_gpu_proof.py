@@ -187,6 +187,7 @@ def test_a_signal_to_the_proof_ends_its_worker_and_trainers_in_one_line(tmp_path
         while not any("train_gpt.py" in c for c in processes_naming(str(out)).values()) and time.time() < deadline:
             assert proc.poll() is None, proc.communicate()
             time.sleep(0.1)
+        assert any("train_gpt.py" in c for c in processes_naming(str(out)).values()), "no trainer started"
         assert any("--worker train" in c for c in processes_naming(str(out)).values())
         proc.send_signal(signum)
         sent = time.time()
