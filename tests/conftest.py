@@ -3,6 +3,7 @@
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,3 +100,30 @@ def sigint_as_at_a_terminal():
     """preexec_fn: Ctrl-C's default for the child, which inherits SIG_IGN where the tests were
     started in the background (Python then never raises KeyboardInterrupt)."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def signal_when_training(proc, marker, signum):
+    """Wait (60 s at most) until a train_gpt.py process whose command line holds marker runs, send
+    signum to proc alone and wait for proc to end; then kill whatever it left behind. Returns
+    (stdout, stderr, seconds proc took to end, command lines running when signalled, pids left)."""
+    try:
+        deadline = time.time() + 60
+        while not any("train_gpt.py" in c for c in processes_naming(marker).values()) and time.time() < deadline:
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.1)
+        running = list(processes_naming(marker).values())
+        assert any("train_gpt.py" in c for c in running), "no trainer started"
+        proc.send_signal(signum)
+        sent = time.time()
+        stdout, stderr = proc.communicate(timeout=30)
+        ended_in = time.time() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        deadline = time.time() + 5
+        while processes_naming(marker) and time.time() < deadline:
+            time.sleep(0.1)
+        left = processes_naming(marker)
+        for pid in left:   # not to outlive a failed test
+            os.kill(pid, signal.SIGKILL)
+    return stdout, stderr, ended_in, running, left

@@ -9,14 +9,13 @@ import shlex
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 from scipy import stats
 
-from conftest import ROOT, processes_naming, sigint_as_at_a_terminal, tiny_argv
+from conftest import ROOT, sigint_as_at_a_terminal, signal_when_training, tiny_argv
 
 AB = str(ROOT / "bench" / "ab.py")
 VAL_RE = re.compile(r"^step:(\d+)/(\d+) val_loss:(\S+) ")
@@ -102,23 +101,7 @@ def test_a_signal_ends_the_ab_and_its_runs_in_one_line(make_shards, tmp_path, si
     proc = subprocess.Popen([sys.executable, AB, "--config", "a=", "--seeds", "3", "--parallel", "1",
                              "--common", common, "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, preexec_fn=sigint_as_at_a_terminal)
-    try:
-        deadline = time.time() + 60
-        while not any("train_gpt.py" in c for c in processes_naming(str(out)).values()) and time.time() < deadline:
-            assert proc.poll() is None, proc.communicate()
-            time.sleep(0.1)
-        assert any("train_gpt.py" in c for c in processes_naming(str(out)).values()), "no trainer started"
-        proc.send_signal(signum)   # to ab.py alone: it must end the run it started
-        stdout, stderr = proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        deadline = time.time() + 5
-        while processes_naming(str(out)) and time.time() < deadline:
-            time.sleep(0.1)
-        left = processes_naming(str(out))
-        for pid in left:   # not to outlive a failed test
-            os.kill(pid, signal.SIGKILL)
+    stdout, stderr, _, _, left = signal_when_training(proc, str(out), signum)  # to ab.py alone: it ends its run
     assert proc.returncode == 128 + signum, stderr
     name = signal.Signals(signum).name
     assert "Traceback" not in stderr and stderr.strip().splitlines()[-1] == \

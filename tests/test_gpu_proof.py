@@ -9,7 +9,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,7 @@ PEER = ROOT.parent / "shared" / "peers" / "modded-nanogpt_9d9dc969_train_gpt.py"
 sys.path.insert(0, str(ROOT))
 
 from bench import gpu_proof  # noqa: E402
-from conftest import processes_naming, sigint_as_at_a_terminal  # noqa: E402
+from conftest import sigint_as_at_a_terminal, signal_when_training  # noqa: E402
 
 
 def run(*args, timeout=60):
@@ -182,26 +181,8 @@ def test_a_signal_to_the_proof_ends_its_worker_and_trainers_in_one_line(tmp_path
                              "--variant-steps", "3", "--variants", "", "--out", str(out)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                             env=dict(os.environ, TRITON_INTERPRET="1"), preexec_fn=sigint_as_at_a_terminal)
-    try:
-        deadline = time.time() + 60
-        while not any("train_gpt.py" in c for c in processes_naming(str(out)).values()) and time.time() < deadline:
-            assert proc.poll() is None, proc.communicate()
-            time.sleep(0.1)
-        assert any("train_gpt.py" in c for c in processes_naming(str(out)).values()), "no trainer started"
-        assert any("--worker train" in c for c in processes_naming(str(out)).values())
-        proc.send_signal(signum)
-        sent = time.time()
-        stdout, stderr = proc.communicate(timeout=30)
-        ended_in = time.time() - sent
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        deadline = time.time() + 5
-        while processes_naming(str(out)) and time.time() < deadline:
-            time.sleep(0.1)
-        left = processes_naming(str(out))
-        for pid in left:   # not to outlive a failed test
-            os.kill(pid, signal.SIGKILL)
+    stdout, stderr, ended_in, running, left = signal_when_training(proc, str(out), signum)
+    assert any("--worker train" in c for c in running)
     assert proc.returncode == 128 + signum, stderr
     assert stderr == f"gpu_proof.py: interrupted ({signal.Signals(signum).name})\n"
     assert not left   # neither the worker nor its trainer goes on
