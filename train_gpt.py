@@ -2492,69 +2492,66 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
     synchronize(hw)
     t0 = time.perf_counter()
     stop.deferred = True  # from here on a signal ends the run at the next check, on every rank
-    try:
-        while True:
-            last_step = step == N or result.stopped_early is not None
-            if last_step or step % args.check_every == 0 or (ranks.world_size == 1 and stop.signum):
-                ending = check(step)
-                if ending:
-                    result.failure, result.exit_code = ending
+    try:  # the loader's thread is closed however this ends (a KeyboardInterrupt too, where no
+          # StopSignals watch: tests, bench scripts)
+        try:
+            while True:
+                last_step = step == N or result.stopped_early is not None
+                if last_step or step % args.check_every == 0 or (ranks.world_size == 1 and stop.signum):
+                    ending = check(step)
+                    if ending:
+                        result.failure, result.exit_code = ending
+                        break
+                if last_step or (args.val_every > 0 and step % args.val_every == 0):
+                    synchronize(hw)
+                    training_time_ms += 1000 * (time.perf_counter() - t0)
+                    val_loss = validate(step)
+                    result.val_losses.append((step, val_loss))
+                    log(f"step:{step}/{N} val_loss:{val_loss:.4f} train_time:{training_time_ms:.0f}ms "
+                        f"step_avg:{training_time_ms / max(step, 1):.2f}ms")
+                    if not math.isfinite(val_loss):  # the same value on every rank
+                        result.failure = f"diverged at step {step}/{N}: val_loss is {val_loss}"
+                        result.exit_code = EXIT_DIVERGED
+                        break
+                    synchronize(hw)
+                    t0 = time.perf_counter()
+                if last_step:
                     break
-            if last_step or (args.val_every > 0 and step % args.val_every == 0):
-                synchronize(hw)
-                training_time_ms += 1000 * (time.perf_counter() - t0)
-                val_loss = validate(step)
-                result.val_losses.append((step, val_loss))
-                log(f"step:{step}/{N} val_loss:{val_loss:.4f} train_time:{training_time_ms:.0f}ms "
-                    f"step_avg:{training_time_ms / max(step, 1):.2f}ms")
-                if not math.isfinite(val_loss):  # the same value on every rank
-                    result.failure = f"diverged at step {step}/{N}: val_loss is {val_loss}"
-                    result.exit_code = EXIT_DIVERGED
-                    break
-                synchronize(hw)
-                t0 = time.perf_counter()
-            if last_step:
-                break
-            try:
-                if batches is None:  # reads and indexes the first shard, starts the prefetch thread
-                    batches = TrainBatches(train_files, args.train_seq_len, ranks.rank, ranks.world_size,
-                                           args.vocab_size, pin, windows_per_step=args.micro_batches)
-                    if resumed_loader is not None:
-                        batches.restore(resumed_loader)
-                step_losses.append(train_step(step, functools.partial(batches.next_batch, hw.device)))
-            except DataExhausted as e:
-                result.stopped_early = str(e)
-                log(f"stopping early at step {step}/{N}: {e}")
-                continue
-            step += 1
-            approx_ms = training_time_ms + 1000 * (time.perf_counter() - t0)
-            log(f"step:{step}/{N} train_time:{approx_ms:.0f}ms step_avg:{approx_ms / step:.2f}ms")
-            if args.checkpoint_every and step % args.checkpoint_every == 0 and step < N:
-                synchronize(hw)  # the clock stops while the checkpoint is written
-                training_time_ms += 1000 * (time.perf_counter() - t0)
-                result.checkpoint_error = save_checkpoint(checkpoint_path, step, training_time_ms, args, ranks, model,
-                                                          optimizer, batches, result, log)
-                t0 = time.perf_counter()
-            if on_step is not None:
-                on_step(step, model, optimizer)
-    except Exception as e:  # a late failure (a bad shard, out of memory, a lost rank, a bug): one line, a complete log
-        where = f"rank {ranks.rank}: " if ranks.world_size > 1 else ""  # perhaps this rank's alone
-        if isinstance(e, DataError):  # its line says all: which file, what is wrong
-            result.failure = f"{where}{e}"
-        else:
-            if not getattr(log, "path", None) or getattr(log, "error", None):  # no log file to hold the traceback
-                traceback.print_exc()
-            log(traceback.format_exc().rstrip(), console=False)
-            result.failure = f"{where}failed at step {step}/{N}: {type(e).__name__}: {first_line(e)}"
-            result.traceback_logged = True
-        result.exit_code, result.crashed = EXIT_ERROR, True
-    except BaseException:  # KeyboardInterrupt where no StopSignals watch (tests, bench scripts)
-        if batches is not None:
-            batches.close()
-        raise
-    if result.failure and (result.exit_code != EXIT_ERROR or result.crashed):
-        log(result.failure, console=not result.crashed)  # main() prints a crash (on every rank) and a failed write
-    try:
+                try:
+                    if batches is None:  # reads and indexes the first shard, starts the prefetch thread
+                        batches = TrainBatches(train_files, args.train_seq_len, ranks.rank, ranks.world_size,
+                                               args.vocab_size, pin, windows_per_step=args.micro_batches)
+                        if resumed_loader is not None:
+                            batches.restore(resumed_loader)
+                    step_losses.append(train_step(step, functools.partial(batches.next_batch, hw.device)))
+                except DataExhausted as e:
+                    result.stopped_early = str(e)
+                    log(f"stopping early at step {step}/{N}: {e}")
+                    continue
+                step += 1
+                approx_ms = training_time_ms + 1000 * (time.perf_counter() - t0)
+                log(f"step:{step}/{N} train_time:{approx_ms:.0f}ms step_avg:{approx_ms / step:.2f}ms")
+                if args.checkpoint_every and step % args.checkpoint_every == 0 and step < N:
+                    synchronize(hw)  # the clock stops while the checkpoint is written
+                    training_time_ms += 1000 * (time.perf_counter() - t0)
+                    result.checkpoint_error = save_checkpoint(checkpoint_path, step, training_time_ms, args, ranks,
+                                                              model, optimizer, batches, result, log)
+                    t0 = time.perf_counter()
+                if on_step is not None:
+                    on_step(step, model, optimizer)
+        except Exception as e:  # a late failure (bad shard, out of memory, lost rank, bug): one line, a complete log
+            where = f"rank {ranks.rank}: " if ranks.world_size > 1 else ""  # perhaps this rank's alone
+            if isinstance(e, DataError):  # its line says all: which file, what is wrong
+                result.failure = f"{where}{e}"
+            else:
+                if not getattr(log, "path", None) or getattr(log, "error", None):  # no log file to hold the traceback
+                    traceback.print_exc()
+                log(traceback.format_exc().rstrip(), console=False)
+                result.failure = f"{where}failed at step {step}/{N}: {type(e).__name__}: {first_line(e)}"
+                result.traceback_logged = True
+            result.exit_code, result.crashed = EXIT_ERROR, True
+        if result.failure and (result.exit_code != EXIT_ERROR or result.crashed):
+            log(result.failure, console=not result.crashed)  # main() prints a crash (on every rank) and a failed write
         if args.save_checkpoint and result.failure is None:  # the clock stopped at the final validation
             result.checkpoint_error = save_checkpoint(checkpoint_path, step, training_time_ms, args, ranks, model,
                                                       optimizer, batches, result, log)
