@@ -2399,6 +2399,13 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
     shortfall = data_shortfall(train_files, args)
     if shortfall:
         log(shortfall)
+    # A log that cannot take its header (a full disk) ends the run now, not after compiling.
+    log_failed = torch.tensor(float(getattr(log, "error", None) is not None), device=hw.device)
+    if ranks.world_size > 1:
+        dist.all_reduce(log_failed)
+    if log_failed.item():
+        return TrainResult(failure=f"{getattr(log, 'error', None) or 'rank 0 cannot write the log'} at step 0/"
+                                   f"{args.num_iterations}", exit_code=EXIT_ERROR)
     accum_steps = args.micro_batches // ranks.world_size
 
     def train_step(step, next_batch):

@@ -310,7 +310,8 @@ def fail_log_writes(monkeypatch, when):
     monkeypatch.setattr(train_gpt.RunLog, "_append", append)
 
 
-@pytest.mark.parametrize("when, step", [(lambda text: text.startswith("step:3/6 train"), 3),
+@pytest.mark.parametrize("when, step", [(lambda text: text.startswith("Running PyTorch"), 0),
+                                        (lambda text: text.startswith("step:3/6 train"), 3),
                                         (lambda text: text.startswith("peak memory"), 6)])
 def test_full_disk_ends_the_run_with_one_line_naming_the_log_and_the_step(tmp_path, make_shards, monkeypatch,
                                                                           capsys, when, step):
@@ -318,12 +319,16 @@ def test_full_disk_ends_the_run_with_one_line_naming_the_log_and_the_step(tmp_pa
     log_dir = tmp_path / "records"
     fail_log_writes(monkeypatch, when)
     argv = tiny_argv(train_files=train_glob, val_files=val_glob, log_dir=log_dir, num_iterations=6, val_every=0,
-                     check_every=1)
+                     check_every=1, warmup_steps=1)
     assert train_gpt.main(argv, {}) == train_gpt.EXIT_ERROR
     path = next(log_dir.glob("*/*.txt"))
-    err = capsys.readouterr().err.strip().splitlines()
+    console = capsys.readouterr()
+    err = console.err.strip().splitlines()
     assert err == [f"train_gpt.py: error: cannot write the log {path} (No space left on device) at step {step}/6; "
                    "the lines written before are kept"]
     text = path.read_text()
     assert text.endswith("\n")  # whole lines only, up to the one that failed
-    assert text.splitlines()[-1].startswith("step:2/6 train_time" if step == 3 else "step:6/6 val_loss")
+    last = {0: "Running Python ", 3: "step:2/6 train_time", 6: "step:6/6 val_loss"}[step]
+    assert text.splitlines()[-1].startswith(last)
+    if step == 0:  # stopped before compiling and warming up
+        assert "Compiling model and warming up kernels" not in console.out
