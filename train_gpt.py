@@ -2399,13 +2399,40 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
     shortfall = data_shortfall(train_files, args)
     if shortfall:
         log(shortfall)
+    result = TrainResult()
+    N = args.num_iterations
+    step_losses = []
+    checked = 0  # step_losses[:checked] are known to be finite
+
+    def check(step):
+        """Why the run must stop now, as (line, exit code), or None: the same answer on every rank.
+        Reads the losses since the last check in one transfer (the only host-GPU sync it costs)."""
+        nonlocal checked
+        recent = step_losses[checked:]
+        log_failure = getattr(log, "error", None)  # tests log to plain functions, which never fail
+        flags = [stop.signum == signal.SIGINT, stop.signum == signal.SIGTERM, log_failure is not None]
+        values = torch.cat([torch.stack(recent).float() if recent else torch.zeros(0, device=hw.device),
+                            torch.tensor(flags, dtype=torch.float32, device=hw.device)])
+        if ranks.world_size > 1:
+            dist.all_reduce(values)  # a sum: nan or inf on any rank stays non-finite
+        *losses, sigint, sigterm, log_failed = values.tolist()
+        if sigint or sigterm:
+            signum = signal.SIGINT if sigint else signal.SIGTERM
+            return f"interrupted at step {step}/{N} ({signal.Signals(signum).name})", 128 + signum
+        bad = [i for i, loss in enumerate(losses) if not math.isfinite(loss)]
+        if bad:
+            return (f"diverged at step {first_step + checked + bad[0] + 1}/{N}: train loss is {losses[bad[0]]} "
+                    f"(stopped at step {step})", EXIT_DIVERGED)
+        if log_failed:
+            return f"{log_failure or 'rank 0 cannot write the log'} at step {step}/{N}", EXIT_ERROR
+        checked = len(step_losses)
+        return None
+
     # A log that cannot take its header (a full disk) ends the run now, not after compiling.
-    log_failed = torch.tensor(float(getattr(log, "error", None) is not None), device=hw.device)
-    if ranks.world_size > 1:
-        dist.all_reduce(log_failed)
-    if log_failed.item():
-        return TrainResult(failure=f"{getattr(log, 'error', None) or 'rank 0 cannot write the log'} at step 0/"
-                                   f"{args.num_iterations}", exit_code=EXIT_ERROR)
+    ending = check(0)
+    if ending:
+        result.failure, result.exit_code = ending
+        return result
     accum_steps = args.micro_batches // ranks.world_size
 
     def train_step(step, next_batch):
@@ -2458,35 +2485,6 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
         model.load_state_dict(initial_params)
         optimizer.reset_state()
         log("Resetting Model")
-
-    result = TrainResult()
-    N = args.num_iterations
-    step_losses = []
-    checked = 0  # step_losses[:checked] are known to be finite
-
-    def check(step):
-        """Why the run must stop now, as (line, exit code), or None: the same answer on every rank.
-        Reads the losses since the last check in one transfer (the only host-GPU sync it costs)."""
-        nonlocal checked
-        recent = step_losses[checked:]
-        log_failure = getattr(log, "error", None)  # tests log to plain functions, which never fail
-        flags = [stop.signum == signal.SIGINT, stop.signum == signal.SIGTERM, log_failure is not None]
-        values = torch.cat([torch.stack(recent).float() if recent else torch.zeros(0, device=hw.device),
-                            torch.tensor(flags, dtype=torch.float32, device=hw.device)])
-        if ranks.world_size > 1:
-            dist.all_reduce(values)  # a sum: nan or inf on any rank stays non-finite
-        *losses, sigint, sigterm, log_failed = values.tolist()
-        if sigint or sigterm:
-            signum = signal.SIGINT if sigint else signal.SIGTERM
-            return f"interrupted at step {step}/{N} ({signal.Signals(signum).name})", 128 + signum
-        bad = [i for i, loss in enumerate(losses) if not math.isfinite(loss)]
-        if bad:
-            return (f"diverged at step {first_step + checked + bad[0] + 1}/{N}: train loss is {losses[bad[0]]} "
-                    f"(stopped at step {step})", EXIT_DIVERGED)
-        if log_failed:
-            return f"{log_failure or 'rank 0 cannot write the log'} at step {step}/{N}", EXIT_ERROR
-        checked = len(step_losses)
-        return None
 
     training_time_ms = 0.0
     step = 0
