@@ -17,11 +17,13 @@ writes DIR/report.md (tables to read) and DIR/report.json (the same figures). Ph
            backend, and the ratio to compiled torch Newton-Schulz
   train    train_gpt.py, speedrun preset, 1 GPU (its micro-batches accumulated), N steps on a
            timing dataset written here: start-up seconds, steady ms/step over steps 20..N, peak
-           memory, val loss at the start and the end, recompiles and graph breaks; then the
-           same figures for each variant (--variants: by default --compile_scope blocks) and
-           each other ns_method
+           memory, val loss at the start and the end, recompiles and graph breaks, and a profile
+           of a few steps before the steady window (--profile: device time per kernel family,
+           host syncs); then the same figures for each variant (--variants: by default
+           --compile_scope blocks) and each other ns_method
   peer     the public record script (--peer PATH) on the same data for the same N steps, with only
-           num_iterations and val_tokens changed on a copy; the ratio ours / peer
+           num_iterations and val_tokens changed on a copy, profiled over the same steps; the
+           ratio ours / peer, and both profiles side by side
 
 Each phase runs in its own process with its own time budget (--budget PHASE=SECONDS): a phase that
 fails, crashes or runs out of time records its traceback or log tail in the report and the others
@@ -49,12 +51,16 @@ import traceback
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAINER = os.path.join(REPO_ROOT, "train_gpt.py")
+PROFILER = os.path.join(REPO_ROOT, "bench", "profile_step.py")
 PHASES = ("env", "correct", "kernels", "train", "peer")
 # Seconds per phase on a GPU: env+correct+kernels, train, and peer each fit one 10-minute command.
 BUDGET_S = {"env": 40, "correct": 250, "kernels": 220, "train": 530, "peer": 530}
 SMOKE_BUDGET_S = {"env": 60, "correct": 120, "kernels": 120, "train": 180, "peer": 60}
 STEADY_FROM = 20                     # steady ms/step is measured over steps STEADY_FROM..N
-SMOKE_STEADY_FROM = 2                # (tiny CPU runs: steps 2..N)
+SMOKE_STEADY_FROM = 3                # (tiny CPU runs: steps 3..N)
+# Profiled steps A+1..B of the main and peer runs: past warmup and the first compilations, and over
+# before the steady window (the trace is written during step B+1, on the clock).
+DEFAULT_PROFILE, SMOKE_PROFILE = "12:15", "1:2"
 DEFAULT_PEER = os.path.join("peers", "modded-nanogpt_9d9dc969_train_gpt.py")  # git-ignored copy
 PEER_VAL_TOKENS = 256 * 1024         # the peer reads validation in multiples of 256Ki at world size 1
 RUN_VAL_TOKENS = 256 * 1024          # ours: one validation window of val_seq_len at start and end
@@ -91,8 +97,13 @@ def parse_args(argv):
                         "first, then the others)")
     p.add_argument("--main-flags", default="", help="trainer flags of the main run (default none: the preset)")
     p.add_argument("--variants", default=DEFAULT_VARIANTS,
-                   help="trainer flags of the runs after the main one, one run per ';'-separated set, before "
+                   help="trainer flags of the runs after the main one, one run per ';'-separated set (a ';' "
+                        "before a flag separates sets; quote values as in a shell), before "
                         f"the other ns_methods' runs (default {DEFAULT_VARIANTS!r}; '' for none)")
+    p.add_argument("--profile", default=None, metavar="A:B",
+                   help=f"profile steps A+1..B of the main train run and of the peer run with bench/profile_step.py "
+                        f"(default {DEFAULT_PROFILE}; {SMOKE_PROFILE} with --cpu-smoke; 'none': no profile); B must "
+                        "come before the steady window")
     p.add_argument("--peer", default=None, help=f"the public record script (default {DEFAULT_PEER} when it exists)")
     p.add_argument("--peer-replace", nargs=2, action="append", default=[], metavar=("OLD", "NEW"),
                    help="one more exact edit of the peer copy (OLD must occur once); listed in the report")
@@ -124,11 +135,21 @@ def parse_args(argv):
     if opts.steps is None:
         opts.steps = 4 if opts.cpu_smoke else 60
     if opts.variant_steps is None:
-        opts.variant_steps = 3 if opts.cpu_smoke else min(opts.steps, 30)
+        opts.variant_steps = 4 if opts.cpu_smoke else min(opts.steps, 30)
     for name, value in (("--steps", opts.steps), ("--variant-steps", opts.variant_steps)):
         if value <= opts.steady_from:
             p.error(f"{name}={value}: must exceed {opts.steady_from} (steady ms/step is measured over steps "
                     f"{opts.steady_from}..N)")
+    profile = opts.profile or (SMOKE_PROFILE if opts.cpu_smoke else DEFAULT_PROFILE)
+    opts.profile = None
+    if profile != "none":
+        window = re.fullmatch(r"(\d+):(\d+)", profile)
+        if not window or not 1 <= int(window[1]) < int(window[2]):
+            p.error(f"--profile={profile!r}: expected A:B with integers 1 <= A < B, or 'none'")
+        if int(window[2]) >= opts.steady_from:
+            p.error(f"--profile={profile!r}: B must be below {opts.steady_from}: the trace is written during step "
+                    f"B+1, which must come before the steady window (steps {opts.steady_from}..N)")
+        opts.profile = [int(window[1]), int(window[2])]
     budgets = dict(SMOKE_BUDGET_S if opts.cpu_smoke else BUDGET_S)
     for item in opts.budget:
         name, _, value = item.partition("=")
@@ -142,8 +163,11 @@ def parse_args(argv):
         bad = [m for m in opts.ns_methods if m not in known]
         if bad or not opts.ns_methods:
             p.error(f"--ns-methods: unknown method {bad[0] if bad else '(none)'}; expected some of {','.join(known)}")
-    opts.variants = [v.split() for v in opts.variants.split(";") if v.strip()]
-    opts.main_flags = opts.main_flags.split()
+    try:  # a ';' starts a new set only before a flag: --ns_coeffs "a,b,c;a,b,c" keeps its own
+        opts.variants = [shlex.split(v) for v in re.split(r";\s*(?=--)|;\s*$", opts.variants) if v.strip()]
+        opts.main_flags = shlex.split(opts.main_flags)
+    except ValueError as e:  # shlex: an unclosed quote
+        p.error(f"--variants/--main-flags: {e}")
     for option, flag_sets in (("--main-flags", [opts.main_flags]), ("--variants", opts.variants)):
         for flags in flag_sets:
             names = flags[::2]
@@ -207,7 +231,8 @@ def run_proof(opts):
     os.makedirs(os.path.join(out, "phases"), exist_ok=True)
     settings = dict(steps=opts.steps, variant_steps=opts.variant_steps, steady_from=opts.steady_from,
                     ns_methods=opts.ns_methods, main_flags=opts.main_flags, variants=opts.variants, peer=opts.peer,
-                    peer_replace=opts.peer_replace, cpu_smoke=opts.cpu_smoke, budgets=opts.budgets)
+                    peer_replace=opts.peer_replace, cpu_smoke=opts.cpu_smoke, budgets=opts.budgets,
+                    profile=opts.profile)
     with open(os.path.join(out, "settings.json"), "w") as f:
         json.dump(settings, f, indent=1)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -864,11 +889,15 @@ def phase_kernels(rec, ctx):
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
     setattr(config, name, max(getattr(config, name), 64))   # one graph per method x stack shape
     compiled = torch.compile(tg.orthogonalize_torch, backend="inductor" if cuda else "eager")
+    backends = [("triton", tg.orthogonalize_triton), ("torch", compiled)]
+    if cuda:   # the record compiles its Triton Newton-Schulz whole: one graph launches the kernels, no Python between
+        backends.insert(1, ("triton compiled", torch.compile(tg.orthogonalize_triton, dynamic=False, fullgraph=True)))
     dtype = torch.bfloat16 if cuda else torch.float32
     if not cuda:
         rec.note("cpu smoke: shapes divided by 48, at most 2 matrices, one timed call, world size 8 only, "
                  "torch.compile "
-                 "with the eager backend: the figures prove the code path, not a speed")
+                 "with the eager backend: the figures prove the code path, not a speed; no 'triton compiled' "
+                 "backend (dynamo cannot trace interpreted kernels)")
     table = rec.table("Orthogonalizing one rank's Muon stack: median ms per call (CUDA events, after warmup); "
                       "TFLOP/s counts the GEMM FLOPs each backend executes (symmetric kernels: half the Gram and "
                       "A@A); 'vs torch NS' = ms of compiled torch Newton-Schulz / ms (higher is faster)",
@@ -886,7 +915,7 @@ def phase_kernels(rec, ctx):
         times, rows = {}, []
         for method in tg.NS_METHODS:
             steps = ns_steps(tg, method)
-            for backend, fn in (("triton", tg.orthogonalize_triton), ("torch", compiled)):
+            for backend, fn in backends:
                 if time.time() > ctx["deadline"] - 20:
                     out_of_time = True
                     break
@@ -896,7 +925,7 @@ def phase_kernels(rec, ctx):
                 if ms is not None:
                     key = (world, method, backend)
                     totals[key] = totals.get(key, 0.0) + ms
-                flops = count * orthogonalize_flops(m, n, steps, symmetric=backend == "triton")
+                flops = count * orthogonalize_flops(m, n, steps, symmetric=backend.startswith("triton"))
                 rows.append([world, f"{count} x {m}x{n}", method, steps, backend, ms,
                              None if not ms else flops / (ms * 1e-3) / 1e12, None, None])
                 rec.row(table, rows[-1])
@@ -904,7 +933,7 @@ def phase_kernels(rec, ctx):
         for row in rows:   # the same lists as the table's rows
             ms = row[5]
             row[7] = ns_torch / ms if ms and ns_torch else None
-            row[8] = ns_triton / ms if ms and ns_triton and row[4] == "triton" else None
+            row[8] = ns_triton / ms if ms and ns_triton and row[4].startswith("triton") else None
         rec.flush()
         if out_of_time:
             rec.data["partial"] = True
@@ -915,7 +944,7 @@ def phase_kernels(rec, ctx):
     for world in (1, 8):
         base = totals.get((world, "newton_schulz", "torch"))
         for method in tg.NS_METHODS:
-            for backend in ("triton", "torch"):
+            for backend, _ in backends:
                 ms = totals.get((world, method, backend))
                 rec.row(summary, [world, method, backend, ms, base / ms if ms and base else None])
 
@@ -1131,7 +1160,7 @@ def phase_train(rec, ctx):
         needed = 10 if smoke else max(90, (main_startup or 0) + 60) if label == "variant" else 90
         if remaining < needed:
             rec.data["partial"] = True
-            again = f"--ns-methods {method}" + (f" --main-flags {shlex.quote(' '.join(flags))}" if flags else "")
+            again = f"--ns-methods {method}" + (f" --main-flags {shlex.quote(shlex.join(flags))}" if flags else "")
             rec.note(f"{name}: not run, {remaining:.0f} s of the phase budget left (run `--phases env,train "
                      f"--steps {steps} {again} --variants ''` in another command; --merge adds its run to these)")
             continue
@@ -1139,7 +1168,10 @@ def phase_train(rec, ctx):
                        "--val_every", str(steps if i == 0 else 0), "--train_files", train_files,
                        "--val_files", val_files, "--log_dir", log_dir, "--run_name", f"proof_{name}",
                        "--ns_method", method, *flags]
-        status, lines, seconds = run_logged([sys.executable, TRAINER, *argv], REPO_ROOT, child_env(smoke),
+        profiled = os.path.join(ctx["out"], "profile_ours") if i == 0 and ctx["profile"] else None
+        command = ([PROFILER, "--out", profiled, "--steps", "{}:{}".format(*ctx["profile"]), "--"] if profiled
+                   else [TRAINER])
+        status, lines, seconds = run_logged([sys.executable, *command, *argv], REPO_ROOT, child_env(smoke),
                                             remaining, os.path.join(ctx["out"], f"train_{name}.console.txt"))
         logs = sorted(glob_files(os.path.join(log_dir, f"*_proof_{name}", "*.txt")), key=os.path.getmtime)
         figures = parse_run_log(open(logs[-1]).read(), ctx["steady_from"]) if logs else {}
@@ -1150,6 +1182,8 @@ def phase_train(rec, ctx):
         if i == 0:
             rec.value("main", dict(figures, ns_method=method, name=name))
             main_startup = figures.get("startup_s")
+            if profiled:
+                record_profile(rec, "ours", profiled)
         if status != 0:
             rec.data["errors"].append({"check": f"train run {name} (exit {status}), console tail",
                                        "traceback": "\n".join(line for _, line in lines[-40:])})
@@ -1230,7 +1264,18 @@ def phase_peer(rec, ctx):
                MASTER_PORT=str(free_port()), DATA_PATH=ctx["out"])
     remaining = ctx["deadline"] - time.time() - 5
     folder = os.path.dirname(path)
-    status, lines, seconds = run_logged([sys.executable, path], folder, env, remaining,
+    command, profiled = [path], None
+    if ctx["profile"]:
+        # profile_step counts the script's optimizer steps, its untimed warmup steps included
+        warmup = re.search(r"^warmup_steps\s*=\s*(\d+)", open(path).read(), re.M)
+        if warmup:
+            profiled = os.path.join(ctx["out"], "profile_peer")
+            first, last = (step + int(warmup[1]) for step in ctx["profile"])
+            command = [PROFILER, "--out", profiled, "--steps", f"{first}:{last}", "--script", path]
+        else:
+            rec.note("not profiled: no 'warmup_steps = N' line in the peer script, so its timed steps cannot be "
+                     "told from its warmup steps")
+    status, lines, seconds = run_logged([sys.executable, *command], folder, env, remaining,
                                         os.path.join(ctx["out"], "peer.console.txt"))
     logs = sorted(glob_files(os.path.join(folder, "logs", "*.txt")), key=os.path.getmtime)
     figures = parse_run_log(open(logs[-1]).read(), ctx["steady_from"]) if logs else {}
@@ -1238,10 +1283,34 @@ def phase_peer(rec, ctx):
     runs = rec.table("Peer run", run_columns())
     rec.row(runs, run_row("peer", "newton_schulz (record)", figures))
     rec.value("run", figures)
+    if profiled:
+        record_profile(rec, "peer", profiled)
     if status != 0:
         rec.data["errors"].append({"check": f"peer run (exit {status}), console tail",
                                    "traceback": "\n".join(line for _, line in lines[-40:])})
         rec.flush()
+
+
+def record_profile(rec, who, folder):
+    """The figures bench/profile_step.py wrote to folder (profile.json), as a value and a table."""
+    try:
+        with open(os.path.join(folder, "profile.json")) as f:
+            data = json.load(f)
+    except OSError:
+        rec.note(f"{who}: no profile written (the run ended before its window); its console says why")
+        return
+    rec.value(f"profile_{who}", data)
+    first, last = data["steps"]
+    if data["device_ms_per_step"] is None:
+        rec.note(f"{who}: steps {first}..{last} profiled on the CPU: no device kernels (CPU time in "
+                 f"{os.path.basename(folder)}/kernels.txt)")
+        return
+    table = rec.table(f"Profile of {who} over steps {first}..{last} (bench/profile_step.py; kernels.txt, "
+                      f"syncs.txt and the trace in {os.path.basename(folder)}/)", ["kernel family", "ms/step",
+                                                                                   "calls/step"])
+    for family, (ms, calls) in data["device_ms_per_step"].items():
+        rec.row(table, [family, ms, calls])
+    rec.value(f"host_syncs_per_step_{who}", data["host_syncs_per_step"])
 
 
 PHASE_FUNCTIONS = {"env": phase_env, "correct": phase_correct, "kernels": phase_kernels, "train": phase_train,
@@ -1269,10 +1338,26 @@ def compare_with_peer(phases):
 
     def ratio(key):
         return ours[key] / peer[key] if ours.get(key) and peer.get(key) else None
+    profiles = [phases[phase]["values"].get(f"profile_{who}") for phase, who in (("train", "ours"), ("peer", "peer"))]
     return dict(steady_ms_ours=ours.get("steady_ms"), steady_ms_peer=peer.get("steady_ms"),
                 steady_ms_ratio=ratio("steady_ms"), peak_allocated_ratio=ratio("peak_allocated_mib"),
                 peak_reserved_ratio=ratio("peak_reserved_mib"), steps_ours=ours.get("steps_done"),
-                steps_peer=peer.get("steps_done"))
+                steps_peer=peer.get("steps_done"),
+                profiles=profiles if all(p and p["device_ms_per_step"] for p in profiles) else None)
+
+
+def profile_rows(profiles):
+    """[family, ours ms/step, peer ms/step, ours - peer] for every kernel family either profile has,
+    then the host syncs per step."""
+    ours, peer = (p["device_ms_per_step"] for p in profiles)
+    families = list(ours) + [f for f in peer if f not in ours]
+    rows = []
+    for family in families:
+        a, b = (ours.get(family) or [None])[0], (peer.get(family) or [None])[0]
+        rows.append([family, a, b, None if a is None or b is None else a - b])
+    syncs = [p["host_syncs_per_step"] for p in profiles]
+    rows.append(["host syncs per step", *syncs, None if None in syncs else syncs[0] - syncs[1]])
+    return rows
 
 
 def device_slug(report):
@@ -1305,6 +1390,12 @@ def render_markdown(report):
                 f"{fmt(comp['steady_ms_peer'])} | {fmt(comp['steady_ms_ratio'])} |",
                 f"| peak memory allocated, ratio | | | {fmt(comp['peak_allocated_ratio'])} |",
                 f"| peak memory reserved, ratio | | | {fmt(comp['peak_reserved_ratio'])} |", ""]
+        if comp.get("profiles"):
+            steps = [p["steps"] for p in comp["profiles"]]
+            out += [f"Device time per step by kernel family (ours: steps {steps[0][0]}..{steps[0][1]}; peer: the same "
+                    "timed steps; bench/profile_step.py):", "",
+                    "| kernel family | ours ms/step | peer ms/step | ours - peer |", "|---|---|---|---|"]
+            out += ["| " + " | ".join(fmt(x) for x in row) + " |" for row in profile_rows(comp["profiles"])] + [""]
     for name, p in report["phases"].items():
         out += [f"## {name}: {p['status']}", ""]
         if p.get("skipped"):

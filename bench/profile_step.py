@@ -7,7 +7,10 @@ and writes to --out:
 - categories.txt: device (or CPU) time per step grouped into GEMMs, FlexAttention, inductor
   kernels, ATen element-wise kernels, and the rest, and the span per step (the gap between span
   and kernel time is time the GPU sat idle);
-- trace.json.gz: the Chrome trace (open in chrome://tracing or Perfetto).
+- trace.json.gz: the Chrome trace (open in chrome://tracing or Perfetto);
+- syncs.txt: on CUDA, the host syncs inside the window (torch.cuda.set_sync_debug_mode("warn")),
+  counted by the Python line that caused them; a step without any lets the host run ahead;
+- profile.json: the figures of categories.txt and the sync count, for other scripts.
 On one GPU, A must be past the trainer's warmup and the first compilations to profile the steady
 state (the speedrun preset warms up before its clock starts, so A = 12 of an 18-step run works).
 
@@ -26,6 +29,7 @@ import json
 import os
 import runpy
 import sys
+import warnings
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -42,8 +46,8 @@ def step_range(text):
         first, last = (int(x) for x in text.split(":"))
     except ValueError:
         raise ValueError(f"expected A:B with integers A < B, got {text!r}") from None
-    if not 0 <= first < last:
-        raise ValueError(f"expected A:B with 0 <= A < B, got {text!r}")
+    if not 1 <= first < last:  # step A's hook starts the profiler: there is no hook before step 1
+        raise ValueError(f"expected A:B with 1 <= A < B, got {text!r}")
     return first, last
 
 
@@ -65,11 +69,12 @@ def kernel_category(name):
     return "other"
 
 
-def summarize(trace, steps):
-    """Per-step device time by category and the span from the first kernel to the last."""
+def device_time_per_step(trace, steps):
+    """{category: (ms per step, calls per step)} of the trace's device kernels, with "all kernels"
+    and the span from the first kernel to the last; None for a trace without kernels (CPU run)."""
     kernels = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and e.get("cat") == "kernel"]
     if not kernels:
-        return "no device kernels in the trace (CPU run): see kernels.txt for CPU time\n"
+        return None
     per = collections.Counter()
     calls = collections.Counter()
     for e in kernels:
@@ -77,12 +82,39 @@ def summarize(trace, steps):
         calls[kernel_category(e["name"])] += 1
     start = min(e["ts"] for e in kernels)
     end = max(e["ts"] + e["dur"] for e in kernels)
+    figures = {name: (us / 1e3 / steps, calls[name] / steps) for name, us in per.most_common()}
+    figures["all kernels"] = (sum(per.values()) / 1e3 / steps, None)
+    figures["span (first to last kernel)"] = ((end - start) / 1e3 / steps, None)
+    return figures
+
+
+def summarize(trace, steps):
+    """device_time_per_step as a table (the gap between span and kernel time is time the GPU sat idle)."""
+    figures = device_time_per_step(trace, steps)
+    if figures is None:
+        return "no device kernels in the trace (CPU run): see kernels.txt for CPU time\n"
     lines = [f"{'category':28} {'ms/step':>9} {'calls/step':>11}"]
-    for name, us in per.most_common():
-        lines.append(f"{name:28} {us / 1e3 / steps:9.1f} {calls[name] / steps:11.1f}")
-    lines.append(f"{'all kernels':28} {sum(per.values()) / 1e3 / steps:9.1f}")
-    lines.append(f"{'span (first to last kernel)':28} {(end - start) / 1e3 / steps:9.1f}")
+    for name, (ms, calls) in figures.items():
+        lines.append(f"{name:28} {ms:9.1f}" + (f" {calls:11.1f}" if calls is not None else ""))
     return "\n".join(lines) + "\n"
+
+
+SYNC_WARNING = "called a synchronizing CUDA operation"   # torch.cuda.set_sync_debug_mode("warn")'s text
+
+
+def count_syncs(caught, steps):
+    """(syncs per step, syncs.txt text) from the warnings caught in the window; other warnings are
+    shown as they would have been."""
+    where = collections.Counter()
+    for w in caught:
+        if SYNC_WARNING in str(w.message):
+            where[f"{w.filename}:{w.lineno}"] += 1
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    total = sum(where.values())
+    lines = [f"{total} host syncs in {steps} steps ({total / steps:.1f} per step), by the Python line that made them:"]
+    lines += [f"{n:6d}  {place}" for place, n in where.most_common()]
+    return total / steps, "\n".join(lines) + "\n"
 
 
 def run_script(path, argv, on_step):
@@ -144,15 +176,33 @@ def main(argv=None):
         if torch.cuda.is_available():
             torch.cuda.synchronize()
 
+    def start():
+        sync()
+        state["prof"] = profile(activities=activities)
+        state["prof"].__enter__()
+        if torch.cuda.is_available():   # after the profiler's own start-up syncs
+            state["warnings"] = warnings.catch_warnings(record=True)
+            state["caught"] = state["warnings"].__enter__()
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+
+    def stop():
+        """Ends the window; True when it was running."""
+        if "warnings" in state:
+            torch.cuda.set_sync_debug_mode(0)
+            state.pop("warnings").__exit__(None, None, None)
+        if "prof" not in state:
+            return False
+        sync()
+        state.pop("prof").__exit__(None, None, None)
+        return True
+
     def on_step(step, model, optimizer):
         if step == first:
-            sync()
-            state["prof"] = profile(activities=activities)
-            state["prof"].__enter__()
+            start()
         elif step == last and "prof" in state:
-            sync()
-            prof = state.pop("prof")
-            prof.__exit__(None, None, None)
+            prof = state["prof"]
+            stop()
             sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
             with open(os.path.join(opts.out, "kernels.txt"), "w") as f:
                 f.write(prof.key_averages().table(sort_by=sort, row_limit=80))
@@ -161,11 +211,21 @@ def main(argv=None):
             with open(raw, "rb") as src, gzip.open(raw + ".gz", "wb") as dst:
                 dst.write(src.read())
             with open(raw) as f:
-                summary = summarize(json.load(f), last - first)
+                trace = json.load(f)
             os.remove(raw)
+            steps = last - first
+            summary = summarize(trace, steps)
+            syncs_per_step, syncs = count_syncs(state.pop("caught"), steps) if "caught" in state else (None, None)
             with open(os.path.join(opts.out, "categories.txt"), "w") as f:
                 f.write(summary)
-            print(f"[profile_step] steps {first + 1}..{last} written to {opts.out}\n{summary}", flush=True)
+            if syncs is not None:
+                with open(os.path.join(opts.out, "syncs.txt"), "w") as f:
+                    f.write(syncs)
+            figures = device_time_per_step(trace, steps)
+            with open(os.path.join(opts.out, "profile.json"), "w") as f:
+                json.dump(dict(steps=[first + 1, last], device_ms_per_step=figures, host_syncs_per_step=syncs_per_step,
+                               script=opts.script or "train_gpt.py"), f, indent=1)
+            print(f"[profile_step] steps {first + 1}..{last} written to {opts.out}\n{summary}{syncs or ''}", flush=True)
 
     try:
         if opts.script:
@@ -182,8 +242,7 @@ def main(argv=None):
             finally:
                 train_gpt.train = trainer_train
     finally:
-        if "prof" in state:  # the run ended inside the window: a profiler left running crashes the exit
-            state.pop("prof").__exit__(None, None, None)
+        stop()  # the run ended inside the window: a profiler left running crashes the exit
     if not os.path.exists(os.path.join(opts.out, "kernels.txt")):
         print(f"[profile_step] the run ended before step {last}: nothing profiled", file=sys.stderr)
         return 1

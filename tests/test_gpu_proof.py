@@ -127,6 +127,13 @@ def test_smoke_train_figures(smoke):
     for split in ("train_000001", "val_000000"):
         assert (out / "data" / "fineweb10B" / f"fineweb_{split}.bin").exists()
     assert report["comparison"] is None  # no peer run on CPU
+    # the main run ran under bench/profile_step.py, whose window ended before the steady window
+    profile = train["values"]["profile_ours"]
+    assert profile["steps"] == [2, 2] and profile["script"] == "train_gpt.py"
+    assert profile["device_ms_per_step"] is None and (out / "profile_ours" / "kernels.txt").exists()
+    assert any("ours: steps 2..2 profiled on the CPU" in n for n in train["notes"])
+    assert not (out / "profile_variant").exists() and "[profile_step]" not in (
+        out / f"train_{gpu_proof.run_name(runs[1]['ns_method'], runs[1]['flags'].split())}.console.txt").read_text()
 
 
 @pytest.mark.skipif(not PEER.exists(), reason="../shared/peers is absent")
@@ -148,6 +155,9 @@ def test_smoke_peer_copy_changes_exactly_two_lines(smoke):
     (["--phases", "env,gpu"], "--phases='env,gpu': unknown phase gpu"),
     (["--peer", "/nonexistent/peer.py"], "--peer=/nonexistent/peer.py: no such file"),
     (["--steps", "20"], "--steps=20: must exceed 20"),
+    (["--profile", "15:20"], "--profile='15:20': B must be below 20"),
+    (["--profile", "0:3"], "--profile='0:3': expected A:B with integers 1 <= A < B, or 'none'"),
+    (["--profile", "12-15"], "--profile='12-15': expected A:B"),
     (["--budget", "train=soon"], "--budget='train=soon'"),
     (["--ns-methods", "adam"], "--ns-methods: unknown method adam"),
     (["--variants", "--compile_scope blocks;--bogus 1"], "--variants: '--bogus 1': unknown option --bogus"),
@@ -164,6 +174,20 @@ def test_bad_arguments_fail_in_one_line_before_any_work(tmp_path, args, message)
     assert not out.exists()
 
 
+def test_variants_split_at_flags_so_ns_coeffs_keep_their_semicolons(tmp_path):
+    coeffs = "3.4445,-4.775,2.0315;3,-3,1"
+    opts = gpu_proof.parse_args(["--cpu-smoke", "--out", str(tmp_path / "out"), "--phases", "train",
+                                 "--variants", f"--compile_scope blocks; --ns_coeffs {coeffs};",
+                                 "--main-flags", "--ns_coeffs '1,1,1'"])
+    assert opts.variants == [["--compile_scope", "blocks"], ["--ns_coeffs", coeffs]]
+    assert opts.main_flags == ["--ns_coeffs", "1,1,1"]
+    bad = run("--out", str(tmp_path / "x"), "--phases", "env", "--variants", "--ns_coeffs 1,2;3,4,5")
+    assert bad.returncode == 2 and "--variants: '--ns_coeffs 1,2;3,4,5': --ns_coeffs=" in bad.stderr, bad.stderr
+    unclosed = run("--out", str(tmp_path / "x"), "--phases", "env", "--variants", "--run_name 'x")
+    assert unclosed.returncode == 2 and "No closing quotation" in unclosed.stderr
+    assert len(unclosed.stderr.strip().splitlines()) == 1
+
+
 def test_existing_report_is_never_overwritten(tmp_path):
     (tmp_path / "report.json").write_text("{}")
     result = run("--out", str(tmp_path), "--phases", "env")
@@ -177,8 +201,8 @@ def test_a_signal_to_the_proof_ends_its_worker_and_trainers_in_one_line(tmp_path
     """The worker runs in its own session (Ctrl-C at the terminal does not reach it) and so do its
     trainers: the parent ends them, then itself, in one line."""
     out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--cpu-smoke", "--phases", "train", "--steps", "3",
-                             "--variant-steps", "3", "--variants", "", "--out", str(out)],
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--cpu-smoke", "--phases", "train", "--steps", "4",
+                             "--variant-steps", "4", "--variants", "", "--out", str(out)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                             env=dict(os.environ, TRITON_INTERPRET="1"), preexec_fn=sigint_as_at_a_terminal)
     stdout, stderr, ended_in, running, left = signal_when_training(proc, str(out), signum)
@@ -210,10 +234,16 @@ def test_merge_combines_commands_and_compares_with_the_peer(tmp_path):
     env = {"device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0", "train_gpt_sha256": "ab"}
     first = gpu_proof.build_report({"env": fake_phase("env", values=env), "train": fake_phase("train", "failed")},
                                    ["cmd1"], False)
+    profile_ours = dict(steps=[13, 15], host_syncs_per_step=1.0, device_ms_per_step={
+        "GEMM (cuBLAS/CUTLASS)": [300.0, 90.0], "orthogonalization (Triton)": [20.0, 45.0]})
+    profile_peer = dict(steps=[23, 25], host_syncs_per_step=0.0, device_ms_per_step={
+        "GEMM (cuBLAS/CUTLASS)": [280.0, 95.0], "NCCL": [1.5, 3.0]})
     second = gpu_proof.build_report({"train": fake_phase("train", values={"main": dict(
-        steady_ms=900.0, peak_allocated_mib=30000, peak_reserved_mib=40000, steps_done=60)})}, ["cmd2"], False)
+        steady_ms=900.0, peak_allocated_mib=30000, peak_reserved_mib=40000, steps_done=60),
+        "profile_ours": profile_ours})}, ["cmd2"], False)
     third = gpu_proof.build_report({"peer": fake_phase("peer", values={"run": dict(
-        steady_ms=1000.0, peak_allocated_mib=25000, peak_reserved_mib=40000, steps_done=60)})}, ["cmd3"], False)
+        steady_ms=1000.0, peak_allocated_mib=25000, peak_reserved_mib=40000, steps_done=60),
+        "profile_peer": profile_peer})}, ["cmd3"], False)
     paths = []
     for i, report in enumerate((first, second, third)):
         folder = tmp_path / str(i)
@@ -227,7 +257,12 @@ def test_merge_combines_commands_and_compares_with_the_peer(tmp_path):
     assert gpu_proof.device_slug(merged) == "NVIDIA-H100-80GB-HBM3"
     result = run("--merge", *paths, "--out", str(tmp_path / "merged"))
     assert result.returncode == 0, result.stderr
-    assert "| steady ms/step (steps 20..N) | 900 | 1000 | 0.9 |" in (tmp_path / "merged" / "report.md").read_text()
+    markdown = (tmp_path / "merged" / "report.md").read_text()
+    assert "| steady ms/step (steps 20..N) | 900 | 1000 | 0.9 |" in markdown
+    # the two profiles side by side: every family either has, then the host syncs
+    assert "| GEMM (cuBLAS/CUTLASS) | 300 | 280 | 20 |" in markdown
+    assert "| orthogonalization (Triton) | 20 |  |  |" in markdown and "| NCCL |  | 1.5 |  |" in markdown
+    assert "| host syncs per step | 1 | 0 | 1 |" in markdown
     other = gpu_proof.build_report({"env": fake_phase("env", values=dict(env, device="NVIDIA H200"))}, ["x"], False)
     gpu_proof.write_report(str(tmp_path / "h200"), other)
     with pytest.raises(ValueError, match="different devices"):

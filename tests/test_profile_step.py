@@ -30,10 +30,14 @@ def test_profiles_the_asked_steps_of_a_cpu_run(tmp_path):
     trace = json.load(gzip.open(out / "trace.json.gz"))
     assert any(e.get("name") == "aten::mm" for e in trace["traceEvents"])
     assert not (out / "trace.json").exists()
+    figures = json.loads((out / "profile.json").read_text())
+    assert figures["steps"] == [2, 2] and figures["script"] == "train_gpt.py"
+    assert figures["device_ms_per_step"] is None and figures["host_syncs_per_step"] is None  # CPU: no kernels, no syncs
+    assert not (out / "syncs.txt").exists()
 
 
 def test_bad_steps_and_an_existing_profile_fail_in_one_line(tmp_path):
-    for steps in ("5:3", "x", "-1:2"):
+    for steps in ("5:3", "x", "-1:2", "0:2"):  # no hook runs before step 1
         r = subprocess.run([sys.executable, str(ROOT / "bench" / "profile_step.py"), "--out", str(tmp_path),
                             "--steps", steps], capture_output=True, text=True, timeout=60, cwd=ROOT)
         assert r.returncode == 2 and "--steps" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
@@ -60,6 +64,27 @@ def test_kernel_categories_and_span():
     assert rows["FlexAttention"][0] == "0.1" and rows["inductor kernels"][0] == "0.1"
     assert rows["ATen element-wise"][0] == "0.1"
     assert rows["all kernels"] == ["0.3"] and rows["span (first to last kernel)"] == ["0.5"]
+    figures = profile_step.device_time_per_step(trace, steps=2)
+    assert figures["GEMM (cuBLAS/CUTLASS)"] == (0.15, 0.5) and figures["span (first to last kernel)"] == (0.5, None)
+    assert profile_step.device_time_per_step({"traceEvents": trace["traceEvents"][-1:]}, steps=2) is None
+
+
+def test_host_syncs_are_counted_by_line_and_other_warnings_still_shown():
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            warnings.warn_explicit(f"{profile_step.SYNC_WARNING} (x.item())", UserWarning, "train_gpt.py", 10)
+        warnings.warn_explicit(f"{profile_step.SYNC_WARNING}", UserWarning, "train_gpt.py", 20)
+        warnings.warn_explicit("something else", DeprecationWarning, "other.py", 5)
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        per_step, text = profile_step.count_syncs(caught, steps=2)
+    assert per_step == 2.0
+    lines = text.splitlines()
+    assert lines[0].startswith("4 host syncs in 2 steps (2.0 per step)")
+    assert lines[1].split() == ["3", "train_gpt.py:10"] and lines[2].split() == ["1", "train_gpt.py:20"]
+    assert [str(w.message) for w in shown] == ["something else"] and shown[0].filename == "other.py"
 
 
 def test_profiles_another_script_by_its_optimizer_steps(tmp_path):
