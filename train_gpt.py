@@ -2136,13 +2136,21 @@ class TrainBatches:
         return dict(shard=self.files.index(self._shard.path), file=os.path.basename(self._shard.path),
                     cursor=self._cursor, windows_taken=self.windows_taken)
 
+    @staticmethod
+    def check_position(state, files):
+        """A checkpoint's state() must name the file at its index among these training files: the run's
+        glob may match other files since (a shard added, removed or renamed)."""
+        shard = state["shard"]
+        if shard >= len(files) or os.path.basename(files[shard]) != state["file"]:
+            here = f"which here is {files[shard]}" if shard < len(files) else f"but here there are {len(files)}"
+            raise DataError(f"{state['file']}: the checkpoint's loader was in this shard, training file {shard + 1} "
+                            f"in name order, {here}: the files --train_files matches must be the run's, none "
+                            "added, removed or renamed")
+
     def restore(self, state):
         """Continue from state(), saved by a loader over the same files; call it before the first batch."""
+        self.check_position(state, self.files)
         shard = state["shard"]
-        if shard >= len(self.files) or os.path.basename(self.files[shard]) != state["file"]:
-            here = self.files[shard] if shard < len(self.files) else "missing"
-            raise DataError(f"{state['file']}: the checkpoint's loader was in this shard, training file {shard}, "
-                            f"which here is {here}; resume with the same --train_files")
         if self.files[shard] != self._shard.path:
             if self._prefetch is not None:
                 self._prefetch.result()  # the background read must finish before the file index moves
@@ -2384,6 +2392,8 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
     pin = hw.device.type == "cuda"
     val_tokens = load_val_tokens(val_files, args.val_tokens, args.vocab_size, pin)
     check_shard_tokens(train_files, args.vocab_size)
+    if checkpoint is not None and checkpoint["loader"] is not None:  # now, not after compiling
+        TrainBatches.check_position(checkpoint["loader"], train_files)
     batches = None  # made inside the clock: setup derived from the data counts as training time
     # One device scalar per window size, made once: a fresh host-to-device copy every step
     # would make the host wait for the GPU.

@@ -183,6 +183,28 @@ def test_a_checkpoint_of_another_configuration_is_refused(single, tmp_path, caps
         assert err.count("\n") == 1 and message in err and f"--resume='{tmp_path / name}'" in err
 
 
+def test_a_resume_over_other_training_files_ends_in_one_line_naming_them(single, data, tmp_path, capsys):
+    """The run's --train_files glob may match other files since (a shard downloaded or removed):
+    the loader's position then names another file, and the run is refused before it starts."""
+    folder = os.path.dirname(data["train_files"])
+    added = os.path.join(folder, "c_train_000000.bin")  # sorts first: the run's files move up one place
+    shutil.copyfile(os.path.join(folder, "c_train_000001.bin"), added)
+    logs = tmp_path / "logs"
+    try:
+        code = train_gpt.main(single["argv"] + [f"--resume={single['step3']}", f"--log_dir={logs}"], {})
+    finally:
+        os.remove(added)
+    err = capsys.readouterr().err
+    assert code == train_gpt.EXIT_ERROR and err == (
+        f"train_gpt.py: error: c_train_000002.bin: the checkpoint's loader was in this shard, training file 2 in "
+        f"name order, which here is {os.path.join(folder, 'c_train_000001.bin')}: the files --train_files matches "
+        "must be the run's, none added, removed or renamed\n")
+    assert not logs.exists()  # found while checking the data, before the log, compiling or warmup
+    # a shard removed since: the position lies past the files there are
+    with pytest.raises(train_gpt.DataError, match="training file 2 in name order, but here there are 1: the files"):
+        train_gpt.TrainBatches.check_position(dict(shard=1, file="c_train_000002.bin"), [added])
+
+
 def test_a_finished_run_is_not_resumed(single, tmp_path, capsys):
     logs = tmp_path / "logs"
     assert train_gpt.main(single["argv"] + [f"--resume={single['final']}", f"--log_dir={logs}"], {}) == 2
