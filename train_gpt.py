@@ -1988,6 +1988,10 @@ class DataError(ValueError):
     """A missing or malformed data file; the message is one line naming the file."""
 
 
+class PeerDataError(DataError):
+    """Another rank's data files failed the checks before training; that rank prints the line."""
+
+
 class DataExhausted(RuntimeError):
     pass
 
@@ -2388,12 +2392,31 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
     checkpoint_path = checkpoint_path_of(log) if args.save_checkpoint else None
     if args.save_checkpoint and ranks.is_master and checkpoint_path is None:
         raise ValueError("save_checkpoint: the checkpoint goes beside the log, so train() needs a RunLog")
-    train_files, val_files, data_note = resolve_data_files(args)
     pin = hw.device.type == "cuda"
-    val_tokens = load_val_tokens(val_files, args.val_tokens, args.vocab_size, pin)
-    check_shard_tokens(train_files, args.vocab_size)
-    if checkpoint is not None and checkpoint["loader"] is not None:  # now, not after compiling
-        TrainBatches.check_position(checkpoint["loader"], train_files)
+    # Each rank reads the files itself, so one may fail alone (a flaky network filesystem) while
+    # the others would wait at their next collective for the dist timeout. So the ranks agree
+    # here: the lowest rank that failed names the file, once, and every rank ends.
+    failure = None
+    try:
+        train_files, val_files, data_note = resolve_data_files(args)
+        val_tokens = load_val_tokens(val_files, args.val_tokens, args.vocab_size, pin)
+        check_shard_tokens(train_files, args.vocab_size)
+        if checkpoint is not None and checkpoint["loader"] is not None:  # now, not after compiling
+            TrainBatches.check_position(checkpoint["loader"], train_files)
+        shortfall = data_shortfall(train_files, args)
+    except DataError as e:
+        failure = e
+    if ranks.world_size > 1:
+        failed = failure is not None
+        outcome = torch.tensor([ranks.rank if failed else ranks.world_size, int(failed)], device=hw.device)
+        dist.all_reduce(outcome, op=dist.ReduceOp.MIN)  # the lowest failed rank; 1 if every rank failed
+        first_failed, all_failed = outcome.tolist()
+        if first_failed not in (ranks.rank, ranks.world_size):
+            raise PeerDataError(f"rank {first_failed} cannot use its data files")
+        if failed and not all_failed:
+            raise DataError(f"rank {ranks.rank}: {failure}") from None
+    if failure is not None:
+        raise failure
     batches = None  # made inside the clock: setup derived from the data counts as training time
     # One device scalar per window size, made once: a fresh host-to-device copy every step
     # would make the host wait for the GPU.
@@ -2406,7 +2429,6 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
     if args.compile:
         model.compile_for_training(args.compile_scope)
     log_header(log, args, ranks, hw, model, optimizer, data_note, (train_files, val_files))
-    shortfall = data_shortfall(train_files, args)
     if shortfall:
         log(shortfall)
     result = TrainResult()
@@ -2846,7 +2868,7 @@ def main(argv=None, environ=None):
         init_process_group(args, ranks, hw)
         result = train(args, ranks, hw, log, stop=stop)
     except (DataError, RankMismatch, CheckpointError) as e:
-        if ranks.local_rank == 0 or not isinstance(e, DataError):  # every rank reads the same files
+        if not isinstance(e, PeerDataError):
             print(f"train_gpt.py: error: {e}", file=sys.stderr)
         return EXIT_ERROR
     except Interrupted:  # before the training loop: nothing trained yet

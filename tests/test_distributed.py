@@ -1,8 +1,10 @@
 """DDP-free sharded training on CPU with gloo: world sizes 1-4 train the same model, ranks stay
 identical, uneven shapes are padded, traffic equals the ring lower bound, world size 1 issues no
-collective, and a bad launch fails fast with a clear message instead of hanging."""
+collective, and a bad launch or a data file one rank cannot read fails fast with a clear message
+instead of hanging."""
 
 import contextlib
+import functools
 import io
 import os
 import socket
@@ -248,10 +250,10 @@ def main_worker(rank, world_size, port, argv_per_rank, out_dir):
         f.write(f"{code}\n{stderr.getvalue()}")
 
 
-def launch_main(tmp_path, argv_per_rank, world_size):
+def launch_main(tmp_path, argv_per_rank, world_size, worker=main_worker):
     ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=main_worker, args=(r, world_size, port, argv_per_rank, str(tmp_path)))
+    procs = [ctx.Process(target=worker, args=(r, world_size, port, argv_per_rank, str(tmp_path)))
              for r in range(len(argv_per_rank))]
     start = time.time()
     for p in procs:
@@ -273,6 +275,38 @@ def test_inconsistent_launch_fails_fast(tmp_path, make_shards):
         assert err.splitlines() == [err] and "ranks [1] run different code or configuration" in err
     assert elapsed < 60
     assert not (tmp_path / "logs").exists()  # nothing was written
+
+
+def unreadable_shard_worker(bad_ranks, rank, *args):
+    """main_worker, but on bad_ranks the training shard cannot be read (a flaky network filesystem)."""
+    if rank in bad_ranks:
+        read = train_gpt.read_shard_tokens
+
+        def failing_read(path, *a, **k):
+            if "_train_" in os.path.basename(path):
+                raise train_gpt.DataError(f"{path}: cannot read (Input/output error)")
+            return read(path, *a, **k)
+        train_gpt.read_shard_tokens = failing_read  # a spawned process: nothing else sees this
+    main_worker(rank, *args)
+
+
+@pytest.mark.parametrize("bad_ranks, prefix", [((1,), "rank 1: "), ((0, 1), "")])
+def test_data_file_failing_before_training_ends_every_rank_with_one_line(tmp_path, make_shards, bad_ranks, prefix):
+    """Ranks read the data themselves: where one alone fails (local rank 1 here) it names the file
+    and the other ends too, at once; where all fail alike the job prints the line once, as one
+    process would."""
+    train_glob, val_glob, _ = make_shards()
+    argv = tiny_argv(train_files=train_glob, val_files=val_glob, log_dir=tmp_path / "logs", micro_batches=2,
+                     dist_timeout_s=60)
+    results, elapsed = launch_main(tmp_path, [argv, argv], world_size=2,
+                                   worker=functools.partial(unreadable_shard_worker, bad_ranks))
+    assert [code for code, _ in results] == [train_gpt.EXIT_ERROR] * 2
+    lines = [line for _, err in results for line in err.splitlines()]
+    shard = train_glob.replace("*", "000001")
+    assert lines == [f"train_gpt.py: error: {prefix}{shard}: cannot read (Input/output error)"]
+    assert results[min(bad_ranks)][1] == lines[0]  # the lowest failing rank says it
+    assert elapsed < 30  # not the 60 s dist timeout
+    assert not (tmp_path / "logs").exists()  # nothing was started
 
 
 def test_missing_rank_times_out_with_a_message(tmp_path, make_shards):
