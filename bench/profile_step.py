@@ -169,7 +169,6 @@ def main(argv=None):
     if os.path.exists(os.path.join(opts.out, "kernels.txt")):
         p.error(f"--out={opts.out}: kernels.txt exists; choose a new folder")
     os.makedirs(opts.out, exist_ok=True)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     state = {}
 
     def sync():
@@ -178,7 +177,9 @@ def main(argv=None):
 
     def start():
         sync()
-        state["prof"] = profile(activities=activities)
+        # CUDA is first asked for here, inside the run: the script sets its allocator options first
+        cuda = [ProfilerActivity.CUDA] if torch.cuda.is_available() else []
+        state["prof"] = profile(activities=[ProfilerActivity.CPU] + cuda)
         state["prof"].__enter__()
         if torch.cuda.is_available():   # after the profiler's own start-up syncs
             state["warnings"] = warnings.catch_warnings(record=True)
