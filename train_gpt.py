@@ -1013,7 +1013,7 @@ def sym_poly_triton(A: torch.Tensor, b: float, c: float, scale: torch.Tensor | N
     A3 = _as_stack(A)
     batch, m, _ = A3.shape
     B = torch.empty(batch, m, m, dtype=A.dtype, device=A.device) if out is None else _as_stack(out)
-    if B.data_ptr() == A3.data_ptr():
+    if not torch.compiler.is_compiling() and B.data_ptr() == A3.data_ptr():  # dynamo cannot trace data_ptr
         raise ValueError("sym_poly_triton cannot write in place: tiles read A after others wrote B")
     scale3 = None if scale is None else scale.float().reshape(batch, m).contiguous()
     grid = lambda meta: (_upper_tile_pairs(m, meta["BLOCK_M"]), batch)
@@ -1035,7 +1035,7 @@ def poly_apply_triton(B: torch.Tensor, X: torch.Tensor, a: float, row_scale: tor
     B3, X3 = _as_stack(B), _as_stack(X)
     batch, m, n = X3.shape
     out3 = torch.empty(batch, m, n, dtype=X.dtype, device=X.device) if out is None else _as_stack(out)
-    if out3.data_ptr() in (X3.data_ptr(), B3.data_ptr()):
+    if not torch.compiler.is_compiling() and out3.data_ptr() in (X3.data_ptr(), B3.data_ptr()):
         raise ValueError("poly_apply_triton cannot write in place: every output tile reads a whole column panel of X")
     scale3 = None if row_scale is None else row_scale.float().reshape(batch, m).contiguous()
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, meta["BLOCK_M"]), batch)

@@ -119,6 +119,31 @@ def test_kernels_refuse_in_place_outputs():
         ns.poly_apply_triton(A, X, 1.0, out=X)
 
 
+@needs_triton
+@pytest.mark.parametrize("method", ns.NS_METHODS)
+def test_triton_wrappers_trace_in_one_graph(method, monkeypatch):
+    """torch.compile(orthogonalize_triton, fullgraph=True), the record's way of calling its Triton
+    Newton-Schulz, traces the Python around the kernels without a break. Dynamo cannot trace the
+    interpreter's launches, so here each kernel is a no-op stand-in; on CUDA dynamo traces the
+    real launches (bench/gpu_proof.py times it)."""
+    launched = []
+
+    class NoOpKernel:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launched.append(self.name)
+    for name in ("_gram_kernel", "_sym_poly_kernel", "_poly_apply_kernel"):
+        monkeypatch.setattr(ns, name, NoOpKernel(name))
+    compiled = torch.compile(ns.orthogonalize_triton, fullgraph=True, dynamic=False, backend="eager")
+    torch._dynamo.reset()
+    result = compiled(random_input((2, 16, 48), False), method)
+    assert result.shape == (2, 16, 48)
+    steps = len(ns.default_coeffs(method))
+    assert launched == ["_gram_kernel", "_sym_poly_kernel", "_poly_apply_kernel"] * steps
+
+
 # ----------------------------------------------------------------------------- Triton vs twin
 
 @needs_triton
