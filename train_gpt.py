@@ -1989,7 +1989,7 @@ class DataError(ValueError):
 
 
 class PeerDataError(DataError):
-    """Another rank's data files failed the checks before training; that rank prints the line."""
+    """Another rank failed while reading its data files before training; that rank reports it."""
 
 
 class DataExhausted(RuntimeError):
@@ -2152,8 +2152,8 @@ class TrainBatches:
                             "added, removed or renamed")
 
     def restore(self, state):
-        """Continue from state(), saved by a loader over the same files; call it before the first batch."""
-        self.check_position(state, self.files)
+        """Continue from state() over the same files (train() checked them with check_position at
+        set-up); call it before the first batch."""
         shard = state["shard"]
         if self.files[shard] != self._shard.path:
             if self._prefetch is not None:
@@ -2404,7 +2404,7 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
         if checkpoint is not None and checkpoint["loader"] is not None:  # now, not after compiling
             TrainBatches.check_position(checkpoint["loader"], train_files)
         shortfall = data_shortfall(train_files, args)
-    except DataError as e:
+    except Exception as e:  # any failure (out of memory too): every rank must reach the agreement
         failure = e
     if ranks.world_size > 1:
         failed = failure is not None
@@ -2413,7 +2413,7 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
         first_failed, all_failed = outcome.tolist()
         if first_failed not in (ranks.rank, ranks.world_size):
             raise PeerDataError(f"rank {first_failed} cannot use its data files")
-        if failed and not all_failed:
+        if failed and not all_failed and isinstance(failure, DataError):
             raise DataError(f"rank {ranks.rank}: {failure}") from None
     if failure is not None:
         raise failure

@@ -1183,7 +1183,7 @@ def phase_train(rec, ctx):
             rec.value("main", dict(figures, ns_method=method, name=name))
             main_startup = figures.get("startup_s")
             if profiled:
-                record_profile(rec, "ours", profiled)
+                record_profile(rec, "ours", name, profiled)
         if status != 0:
             rec.data["errors"].append({"check": f"train run {name} (exit {status}), console tail",
                                        "traceback": "\n".join(line for _, line in lines[-40:])})
@@ -1265,16 +1265,14 @@ def phase_peer(rec, ctx):
     remaining = ctx["deadline"] - time.time() - 5
     folder = os.path.dirname(path)
     command, profiled = [path], None
-    if ctx["profile"]:
-        # profile_step counts the script's optimizer steps, its untimed warmup steps included
-        warmup = re.search(r"^warmup_steps\s*=\s*(\d+)", open(path).read(), re.M)
-        if warmup:
-            profiled = os.path.join(ctx["out"], "profile_peer")
-            first, last = (step + int(warmup[1]) for step in ctx["profile"])
-            command = [PROFILER, "--out", profiled, "--steps", f"{first}:{last}", "--script", path]
-        else:
-            rec.note("not profiled: no 'warmup_steps = N' line in the peer script, so its timed steps cannot be "
-                     "told from its warmup steps")
+    warmup = peer_warmup_steps(open(path).read())
+    if ctx["profile"] and warmup is None:
+        rec.note("not profiled: no 'warmup_steps = N' line in the peer script, so its timed steps cannot be "
+                 "told from its warmup steps")
+    elif ctx["profile"]:
+        profiled = os.path.join(ctx["out"], "profile_peer")
+        first, last = (step + warmup for step in ctx["profile"])
+        command = [PROFILER, "--out", profiled, "--steps", f"{first}:{last}", "--script", path]
     status, lines, seconds = run_logged([sys.executable, *command], folder, env, remaining,
                                         os.path.join(ctx["out"], "peer.console.txt"))
     logs = sorted(glob_files(os.path.join(folder, "logs", "*.txt")), key=os.path.getmtime)
@@ -1284,33 +1282,45 @@ def phase_peer(rec, ctx):
     rec.row(runs, run_row("peer", "newton_schulz (record)", figures))
     rec.value("run", figures)
     if profiled:
-        record_profile(rec, "peer", profiled)
+        record_profile(rec, "peer", "the record script", profiled, warmup)
     if status != 0:
         rec.data["errors"].append({"check": f"peer run (exit {status}), console tail",
                                    "traceback": "\n".join(line for _, line in lines[-40:])})
         rec.flush()
 
 
-def record_profile(rec, who, folder):
-    """The figures bench/profile_step.py wrote to folder (profile.json), as a value and a table."""
+def peer_warmup_steps(text):
+    """The untimed warmup steps the record script takes (its `warmup_steps = N` line), which
+    profile_step counts as optimizer steps: its timed step S is optimizer step N + S. Its hook
+    fires after the first optimizer (Adam) of a step, before Muon, so the peer's window holds the
+    same work as ours shifted by half a step. None when the script has no such line."""
+    found = re.search(r"^warmup_steps\s*=\s*(\d+)", text, re.M)
+    return int(found[1]) if found else None
+
+
+def record_profile(rec, who, run, folder, warmup=0):
+    """The figures bench/profile_step.py wrote to folder (profile.json), as a value and a table;
+    warmup: the untimed steps the profiled optimizer steps include (the peer's)."""
     try:
         with open(os.path.join(folder, "profile.json")) as f:
             data = json.load(f)
     except OSError:
         rec.note(f"{who}: no profile written (the run ended before its window); its console says why")
         return
+    first, last = (step - warmup for step in data["steps"])
+    data["timed_steps"] = [first, last]
     rec.value(f"profile_{who}", data)
-    first, last = data["steps"]
     if data["device_ms_per_step"] is None:
         rec.note(f"{who}: steps {first}..{last} profiled on the CPU: no device kernels (CPU time in "
                  f"{os.path.basename(folder)}/kernels.txt)")
         return
-    table = rec.table(f"Profile of {who} over steps {first}..{last} (bench/profile_step.py; kernels.txt, "
-                      f"syncs.txt and the trace in {os.path.basename(folder)}/)", ["kernel family", "ms/step",
-                                                                                   "calls/step"])
+    counted = f" (optimizer steps {data['steps'][0]}..{data['steps'][1]}, after {warmup} warmup steps)" if warmup else ""
+    table = rec.table(f"Profile of {who} ({run}) over timed steps {first}..{last}{counted}: device time per "
+                      f"step, {data['host_syncs_per_step']} host syncs per step (bench/profile_step.py; "
+                      f"kernels.txt, syncs.txt and the trace in {os.path.basename(folder)}/)",
+                      ["kernel family", "ms/step", "calls/step"])
     for family, (ms, calls) in data["device_ms_per_step"].items():
         rec.row(table, [family, ms, calls])
-    rec.value(f"host_syncs_per_step_{who}", data["host_syncs_per_step"])
 
 
 PHASE_FUNCTIONS = {"env": phase_env, "correct": phase_correct, "kernels": phase_kernels, "train": phase_train,
@@ -1391,9 +1401,9 @@ def render_markdown(report):
                 f"| peak memory allocated, ratio | | | {fmt(comp['peak_allocated_ratio'])} |",
                 f"| peak memory reserved, ratio | | | {fmt(comp['peak_reserved_ratio'])} |", ""]
         if comp.get("profiles"):
-            steps = [p["steps"] for p in comp["profiles"]]
-            out += [f"Device time per step by kernel family (ours: steps {steps[0][0]}..{steps[0][1]}; peer: the same "
-                    "timed steps; bench/profile_step.py):", "",
+            first, last = comp["profiles"][0]["steps"]
+            out += [f"Device time per step by kernel family over timed steps {first}..{last} (bench/profile_step.py; "
+                    "the peer's window starts after its Adam step, half a step later):", "",
                     "| kernel family | ours ms/step | peer ms/step | ours - peer |", "|---|---|---|---|"]
             out += ["| " + " | ".join(fmt(x) for x in row) + " |" for row in profile_rows(comp["profiles"])] + [""]
     for name, p in report["phases"].items():
@@ -1487,7 +1497,8 @@ def combine_train(first, later):
     """Train runs of two commands (say, an ns_method the first one's budget left out): all runs
     listed, the first command's main run kept as the main run."""
     combined = json.loads(json.dumps(first))
-    combined["values"].update({k: v for k, v in later["values"].items() if k != "main"})
+    # the profile beside the comparison is the main run's (the later one's stays in its own table)
+    combined["values"].update({k: v for k, v in later["values"].items() if k not in ("main", "profile_ours")})
     for table in later["tables"]:
         same = [t for t in combined["tables"] if t["title"] == table["title"] and t["columns"] == table["columns"]]
         if same:   # the later main run joins as what it is beside the first: a variant or an ns_method

@@ -31,8 +31,12 @@ import runpy
 import sys
 import warnings
 
-import torch
-from torch.profiler import ProfilerActivity, profile
+# Kineto leaves CUPTI attached after a profile unless told to tear it down, and that slows every
+# later launch (pytorch/pytorch#144455): the steps timed after the window must run as unprofiled.
+os.environ.setdefault("TEARDOWN_CUPTI", "1")
+
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
@@ -102,19 +106,37 @@ def summarize(trace, steps):
 SYNC_WARNING = "called a synchronizing CUDA operation"   # torch.cuda.set_sync_debug_mode("warn")'s text
 
 
-def count_syncs(caught, steps):
-    """(syncs per step, syncs.txt text) from the warnings caught in the window; other warnings are
-    shown as they would have been."""
-    where = collections.Counter()
-    for w in caught:
-        if SYNC_WARNING in str(w.message):
-            where[f"{w.filename}:{w.lineno}"] += 1
-        else:
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-    total = sum(where.values())
-    lines = [f"{total} host syncs in {steps} steps ({total / steps:.1f} per step), by the Python line that made them:"]
-    lines += [f"{n:6d}  {place}" for place, n in where.most_common()]
-    return total / steps, "\n".join(lines) + "\n"
+class SyncCounter:
+    """While entered, counts the sync-debug warnings by the Python line that caused them and hides
+    them; every other warning goes on as it would have (filters, once-per-line, showwarning)."""
+
+    def __init__(self):
+        self.where = collections.Counter()
+        self._saved = warnings.catch_warnings()   # restores the filters and showwarning on exit
+
+    def __enter__(self):
+        self._saved.__enter__()
+        warnings.filterwarnings("always", message=f".*{SYNC_WARNING}")
+        show = warnings.showwarning
+
+        def count_or_show(message, category, filename, lineno, file=None, line=None):
+            if SYNC_WARNING in str(message):
+                self.where[f"{filename}:{lineno}"] += 1
+            else:
+                show(message, category, filename, lineno, file, line)
+        warnings.showwarning = count_or_show
+        return self
+
+    def __exit__(self, *exc):
+        self._saved.__exit__(*exc)
+
+    def report(self, steps):
+        """(syncs per step, the text of syncs.txt)."""
+        total = sum(self.where.values())
+        lines = [f"{total} host syncs in {steps} steps ({total / steps:.1f} per step), by the Python line "
+                 "that made them:"]
+        lines += [f"{n:6d}  {place}" for place, n in self.where.most_common()]
+        return total / steps, "\n".join(lines) + "\n"
 
 
 def run_script(path, argv, on_step):
@@ -182,21 +204,19 @@ def main(argv=None):
         state["prof"] = profile(activities=[ProfilerActivity.CPU] + cuda)
         state["prof"].__enter__()
         if torch.cuda.is_available():   # after the profiler's own start-up syncs
-            state["warnings"] = warnings.catch_warnings(record=True)
-            state["caught"] = state["warnings"].__enter__()
-            warnings.simplefilter("always")
+            state["syncs"] = SyncCounter().__enter__()
             torch.cuda.set_sync_debug_mode("warn")
 
-    def stop():
-        """Ends the window; True when it was running."""
-        if "warnings" in state:
+    def stop(finished=True):
+        """Ends the window (finished=False: the run ended inside it, perhaps on a CUDA fault that a
+        synchronize would raise again)."""
+        if "syncs" in state:
             torch.cuda.set_sync_debug_mode(0)
-            state.pop("warnings").__exit__(None, None, None)
-        if "prof" not in state:
-            return False
-        sync()
-        state.pop("prof").__exit__(None, None, None)
-        return True
+            state["syncs"].__exit__(None, None, None)
+        if "prof" in state:
+            if finished:
+                sync()
+            state.pop("prof").__exit__(None, None, None)
 
     def on_step(step, model, optimizer):
         if step == first:
@@ -204,6 +224,7 @@ def main(argv=None):
         elif step == last and "prof" in state:
             prof = state["prof"]
             stop()
+            counter = state.pop("syncs", None)
             sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
             with open(os.path.join(opts.out, "kernels.txt"), "w") as f:
                 f.write(prof.key_averages().table(sort_by=sort, row_limit=80))
@@ -216,7 +237,7 @@ def main(argv=None):
             os.remove(raw)
             steps = last - first
             summary = summarize(trace, steps)
-            syncs_per_step, syncs = count_syncs(state.pop("caught"), steps) if "caught" in state else (None, None)
+            syncs_per_step, syncs = counter.report(steps) if counter else (None, None)
             with open(os.path.join(opts.out, "categories.txt"), "w") as f:
                 f.write(summary)
             if syncs is not None:
@@ -243,10 +264,10 @@ def main(argv=None):
             finally:
                 train_gpt.train = trainer_train
     finally:
-        stop()  # the run ended inside the window: a profiler left running crashes the exit
+        stop(finished=False)  # the run ended inside the window: a profiler left running crashes the exit
     if not os.path.exists(os.path.join(opts.out, "kernels.txt")):
         print(f"[profile_step] the run ended before step {last}: nothing profiled", file=sys.stderr)
-        return 1
+        return status or 1
     return status or 0
 
 

@@ -277,17 +277,22 @@ def test_inconsistent_launch_fails_fast(tmp_path, make_shards):
     assert not (tmp_path / "logs").exists()  # nothing was written
 
 
-def unreadable_shard_worker(bad_ranks, rank, *args):
-    """main_worker, but on bad_ranks the training shard cannot be read (a flaky network filesystem)."""
+def unreadable_shard_worker(bad_ranks, rank, *args, error=train_gpt.DataError):
+    """main_worker, but on bad_ranks reading the training shard raises error (a flaky network
+    filesystem: DataError; or MemoryError, which main() lets through: then "-1" is the code)."""
     if rank in bad_ranks:
         read = train_gpt.read_shard_tokens
 
         def failing_read(path, *a, **k):
             if "_train_" in os.path.basename(path):
-                raise train_gpt.DataError(f"{path}: cannot read (Input/output error)")
+                raise error(f"{path}: cannot read (Input/output error)")
             return read(path, *a, **k)
         train_gpt.read_shard_tokens = failing_read  # a spawned process: nothing else sees this
-    main_worker(rank, *args)
+    try:
+        main_worker(rank, *args)
+    except MemoryError as e:
+        with open(os.path.join(args[-1], f"rank{rank}.txt"), "w") as f:
+            f.write(f"-1\n{type(e).__name__}")
 
 
 @pytest.mark.parametrize("bad_ranks, prefix", [((1,), "rank 1: "), ((0, 1), "")])
@@ -307,6 +312,18 @@ def test_data_file_failing_before_training_ends_every_rank_with_one_line(tmp_pat
     assert results[min(bad_ranks)][1] == lines[0]  # the lowest failing rank says it
     assert elapsed < 30  # not the 60 s dist timeout
     assert not (tmp_path / "logs").exists()  # nothing was started
+
+
+def test_any_failure_while_reading_data_on_one_rank_ends_the_others_at_once(tmp_path, make_shards):
+    """Not only DataErrors: an error main() does not expect (out of memory) still reaches the
+    agreement, so the other rank ends silently instead of waiting for the dist timeout."""
+    train_glob, val_glob, _ = make_shards()
+    argv = tiny_argv(train_files=train_glob, val_files=val_glob, log_dir=tmp_path / "logs", micro_batches=2,
+                     dist_timeout_s=60)
+    worker = functools.partial(unreadable_shard_worker, (1,), error=MemoryError)
+    results, elapsed = launch_main(tmp_path, [argv, argv], world_size=2, worker=worker)
+    assert results == [(train_gpt.EXIT_ERROR, ""), (-1, "MemoryError")]
+    assert elapsed < 30
 
 
 def test_missing_rank_times_out_with_a_message(tmp_path, make_shards):

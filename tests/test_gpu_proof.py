@@ -345,6 +345,30 @@ def test_merge_adds_a_later_run_with_other_main_flags_as_a_variant(tmp_path):
                                           ["variant", "newton_schulz", "--compile_scope blocks"]]
 
 
+def test_merge_keeps_the_main_runs_profile_beside_the_comparison(tmp_path):
+    """The README's second and third commands both profile their main run: the merged comparison
+    shows the first's (the preset's) profile, and the later one keeps its own table."""
+    reports = [train_report("newton_schulz", 800.0, ""), train_report("newton_schulz", 830.0, "--compile_scope blocks")]
+    for report, gemm in zip(reports, (300.0, 310.0)):
+        train = report["phases"]["train"]
+        train["values"]["profile_ours"] = dict(steps=[13, 15], host_syncs_per_step=0.0,
+                                               device_ms_per_step={"GEMM (cuBLAS/CUTLASS)": [gemm, 90.0]})
+        train["tables"].append({"title": f"Profile of ours ({train['values']['main']['name']}) over timed steps 13..15",
+                                "columns": ["kernel family", "ms/step", "calls/step"],
+                                "rows": [["GEMM (cuBLAS/CUTLASS)", gemm, 90.0]]})
+    train = gpu_proof.merge_reports(written(tmp_path, *reports))["phases"]["train"]
+    assert train["values"]["profile_ours"]["device_ms_per_step"]["GEMM (cuBLAS/CUTLASS)"][0] == 300.0
+    profiles = [t for t in train["tables"] if t["title"].startswith("Profile of ours")]
+    assert [t["rows"][0][1] for t in profiles] == [300.0, 310.0] and "compile_scope-blocks" in profiles[1]["title"]
+
+
+def test_peer_warmup_steps_shift_the_profile_window():
+    assert gpu_proof.peer_warmup_steps("x = 1\nwarmup_steps = 10\nfor _ in range(warmup_steps):\n") == 10
+    assert gpu_proof.peer_warmup_steps("    warmup_steps = 10  # indented: not the script's\n") is None
+    if PEER.exists():
+        assert gpu_proof.peer_warmup_steps(PEER.read_text()) == 10
+
+
 def test_merge_names_each_commands_code_when_a_fix_came_between(tmp_path):
     paths = []
     for i, (phase, sha) in enumerate((("correct", "a" * 64), ("train", "b" * 64), ("peer", "b" * 64))):

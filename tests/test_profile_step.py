@@ -4,6 +4,7 @@ import gzip
 import json
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,22 +70,36 @@ def test_kernel_categories_and_span():
     assert profile_step.device_time_per_step({"traceEvents": trace["traceEvents"][-1:]}, steps=2) is None
 
 
-def test_host_syncs_are_counted_by_line_and_other_warnings_still_shown():
-    import warnings
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for _ in range(3):
-            warnings.warn_explicit(f"{profile_step.SYNC_WARNING} (x.item())", UserWarning, "train_gpt.py", 10)
-        warnings.warn_explicit(f"{profile_step.SYNC_WARNING}", UserWarning, "train_gpt.py", 20)
-        warnings.warn_explicit("something else", DeprecationWarning, "other.py", 5)
+def sync_here():
+    warnings.warn(f"{profile_step.SYNC_WARNING} (x.item())")
+
+
+def sync_there():
+    warnings.warn(profile_step.SYNC_WARNING)
+
+
+def other_warning(text):
+    warnings.warn(text)
+
+
+def test_host_syncs_are_counted_by_line_and_other_warnings_go_on_as_before():
+    here, there = (f"{__file__}:{f.__code__.co_firstlineno + 1}" for f in (sync_here, sync_there))
     with warnings.catch_warnings(record=True) as shown:
-        warnings.simplefilter("always")
-        per_step, text = profile_step.count_syncs(caught, steps=2)
+        warnings.simplefilter("default")   # python's own: each other warning once per line
+        warnings.filterwarnings("ignore", message="ignored here")
+        with profile_step.SyncCounter() as counter:
+            for _ in range(3):
+                sync_here()
+                other_warning("something else")
+                other_warning("ignored here")
+            sync_there()
+        sync_here()   # the counter is gone: shown again
+    assert [str(w.message) for w in shown] == ["something else", f"{profile_step.SYNC_WARNING} (x.item())"]
+    per_step, text = counter.report(steps=2)
     assert per_step == 2.0
     lines = text.splitlines()
     assert lines[0].startswith("4 host syncs in 2 steps (2.0 per step)")
-    assert lines[1].split() == ["3", "train_gpt.py:10"] and lines[2].split() == ["1", "train_gpt.py:20"]
-    assert [str(w.message) for w in shown] == ["something else"] and shown[0].filename == "other.py"
+    assert lines[1].split() == ["3", here] and lines[2].split() == ["1", there]
 
 
 def test_profiles_another_script_by_its_optimizer_steps(tmp_path):
