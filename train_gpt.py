@@ -2412,6 +2412,8 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
         dist.all_reduce(outcome, op=dist.ReduceOp.MIN)  # the lowest failed rank; 1 if every rank failed
         first_failed, all_failed = outcome.tolist()
         if first_failed not in (ranks.rank, ranks.world_size):
+            if isinstance(failure, Interrupted):  # a signal reaches every rank: each ends as signalled
+                raise failure
             raise PeerDataError(f"rank {first_failed} cannot use its data files")
         if failed and not all_failed and isinstance(failure, DataError):
             raise DataError(f"rank {ranks.rank}: {failure}") from None

@@ -7,6 +7,7 @@ import contextlib
 import functools
 import io
 import os
+import signal
 import socket
 import time
 
@@ -312,6 +313,21 @@ def test_data_file_failing_before_training_ends_every_rank_with_one_line(tmp_pat
     assert results[min(bad_ranks)][1] == lines[0]  # the lowest failing rank says it
     assert elapsed < 30  # not the 60 s dist timeout
     assert not (tmp_path / "logs").exists()  # nothing was started
+
+
+def interrupt_self(message):
+    """A Ctrl-C while the data is read: main()'s handler raises Interrupted here."""
+    os.kill(os.getpid(), signal.SIGINT)
+
+
+def test_a_signal_while_every_rank_reads_data_ends_each_as_signalled(tmp_path, make_shards):
+    train_glob, val_glob, _ = make_shards()
+    argv = tiny_argv(train_files=train_glob, val_files=val_glob, log_dir=tmp_path / "logs", micro_batches=2,
+                     num_iterations=3, dist_timeout_s=60)
+    worker = functools.partial(unreadable_shard_worker, (0, 1), error=interrupt_self)
+    results, elapsed = launch_main(tmp_path, [argv, argv], world_size=2, worker=worker)
+    assert results == [(128 + signal.SIGINT, "")] * 2   # (the "interrupted" line goes to stdout)
+    assert elapsed < 30
 
 
 def test_any_failure_while_reading_data_on_one_rank_ends_the_others_at_once(tmp_path, make_shards):
