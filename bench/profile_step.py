@@ -92,9 +92,9 @@ def device_time_per_step(trace, steps):
     return figures
 
 
-def summarize(trace, steps):
-    """device_time_per_step as a table (the gap between span and kernel time is time the GPU sat idle)."""
-    figures = device_time_per_step(trace, steps)
+def summarize(figures):
+    """device_time_per_step's figures as a table (the gap between span and kernel time is time the
+    GPU sat idle)."""
     if figures is None:
         return "no device kernels in the trace (CPU run): see kernels.txt for CPU time\n"
     lines = [f"{'category':28} {'ms/step':>9} {'calls/step':>11}"]
@@ -236,14 +236,14 @@ def main(argv=None):
                 trace = json.load(f)
             os.remove(raw)
             steps = last - first
-            summary = summarize(trace, steps)
+            figures = device_time_per_step(trace, steps)
+            summary = summarize(figures)
             syncs_per_step, syncs = counter.report(steps) if counter else (None, None)
             with open(os.path.join(opts.out, "categories.txt"), "w") as f:
                 f.write(summary)
             if syncs is not None:
                 with open(os.path.join(opts.out, "syncs.txt"), "w") as f:
                     f.write(syncs)
-            figures = device_time_per_step(trace, steps)
             with open(os.path.join(opts.out, "profile.json"), "w") as f:
                 json.dump(dict(steps=[first + 1, last], device_ms_per_step=figures, host_syncs_per_step=syncs_per_step,
                                script=opts.script or "train_gpt.py"), f, indent=1)

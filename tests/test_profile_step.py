@@ -59,7 +59,7 @@ def test_kernel_categories_and_span():
         kernel("void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl_nocast<...>", 900, 100),
         {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5000},
     ]}
-    summary = profile_step.summarize(trace, steps=2)
+    summary = profile_step.summarize(profile_step.device_time_per_step(trace, steps=2))
     rows = {line[:28].strip(): line[28:].split() for line in summary.splitlines()[1:]}
     assert rows["GEMM (cuBLAS/CUTLASS)"] == ["0.1", "0.5"]      # 300 us over 2 steps
     assert rows["FlexAttention"][0] == "0.1" and rows["inductor kernels"][0] == "0.1"
