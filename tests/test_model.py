@@ -297,11 +297,16 @@ def test_hardware_branches(monkeypatch, cuda, capability, fp8):
     assert train_gpt.Hardware.detect(train_gpt.Hyperparameters(ns_backend="torch")).ns_backend == "torch"
 
 
+# The compile tests of the FP8 head run 32 tokens: CPU torch._scaled_mm is a scalar loop on some
+# machines, and the head has 50304 rows whatever the model's width.
+FP8_TOKENS = 32
+
+
 def test_fp8_head_traces_under_compile():
     """The custom op's fake (meta) functions and autograd registration, as torch.compile sees them:
     the compiled head gives the eager head's logits and gradients."""
     import torch._dynamo
-    model, args = tiny_model()
+    model, args = tiny_model(train_seq_len=FP8_TOKENS)
     with torch.no_grad():
         model.lm_head_w.normal_(0, 0.05)
     model.hw = train_gpt.Hardware(torch.device("cpu"), torch.bfloat16, "sdpa", True, "torch", "gloo")
@@ -332,7 +337,7 @@ def test_fp8_op_bodies_are_captured_once(monkeypatch):
     import torch._dynamo
     from torch._dynamo.utils import counters
     monkeypatch.setattr(train_gpt, "_on_device_of", lambda t, fn: train_gpt._compiled(fn, "eager"))
-    model, args = tiny_model()
+    model, args = tiny_model(train_seq_len=FP8_TOKENS)
     with torch.no_grad():
         model.lm_head_w.normal_(0, 0.05)
     model.hw = train_gpt.Hardware(torch.device("cpu"), torch.bfloat16, "sdpa", True, "torch", "gloo")
