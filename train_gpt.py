@@ -103,7 +103,7 @@ class Hyperparameters:
     window_growth_tokens: int = 1728    # long window: this x training progress, rounded up to whole blocks (>= 1)
     fp8_head: bool = True               # FP8 lm_head where the GPU supports it (off on CPU and pre-Ada GPUs)
     bf16_embeds: bool = True            # embeddings, value embeddings and their Adam moments in bf16
-    compile: bool = True                # torch.compile the model (--compile_scope says in how many graphs)
+    compile: bool = True                # torch.compile the model (--compile_scope: in how many graphs) and Adam
     compile_scope: str = "model"        # model: one graph, as the record; blocks: each block and the head alone
     # optimization
     num_iterations: int = 1695          # training steps
@@ -1090,7 +1090,8 @@ def orthogonalize_triton(G: torch.Tensor, method: str = "newton_schulz", coeffs:
 #     multiple of the world size);
 #   - a large Adam parameter: reduce-scattered along dim 0, moments kept for the local rows only,
 #     updated rows all-gathered (rows padded to a multiple of the world size);
-#   - the small parameters: one coalesced all-reduce, updated identically everywhere.
+#   - the small parameters: one coalesced all-reduce, updated identically everywhere, as one flat
+#     vector.
 # Optimizer state per rank is thus about 1/world_size of the total.
 
 @dataclass
@@ -1171,9 +1172,16 @@ class AdamShard(CommUnit):
 
 
 class SmallParams(CommUnit):
-    def __init__(self, specs):
+    """The parameters too small to shard, updated as one flat vector (the record keeps its scalars
+    in one parameter): one Adam pass instead of several kernels for each of two dozen scalars."""
+
+    def __init__(self, specs, adam_lr, device):
         super().__init__([s.param for s in specs])
         self.specs = specs
+        self.numels = [s.param.numel() for s in specs]
+        self.lr = torch.cat([torch.full((n,), adam_lr * s.lr_mult) for n, s in zip(self.numels, specs)]).to(device)
+        self.exp_avg = torch.zeros(sum(self.numels), device=device)
+        self.exp_avg_sq = torch.zeros_like(self.exp_avg)
         self.flat = None
 
 
@@ -1201,6 +1209,10 @@ class ShardedMuonAdam:
         self.adam_steps = 0
         device = hw.device
         W = self.world_size
+        self.adam_update = adam_apply  # compile_adam() puts the compiled function here
+        # lr_factor x Adam's bias corrections: a device scalar, so that the compiled update takes a
+        # new value each step without recompiling or a host-to-device copy (fill_ is a launch).
+        self.adam_scale = torch.ones((), device=device)
 
         # Units in the order their gradients become final in backward: the head first, then
         # blocks from the last to the first, the embeddings and scalars last. Fixed, so every
@@ -1254,8 +1266,11 @@ class ShardedMuonAdam:
             # moments in the parameter's dtype, as the record keeps them (bf16 for bf16 embeddings)
             shard.exp_avg = torch.zeros(local_shape, device=device, dtype=shard.spec.param.dtype)
             shard.exp_avg_sq = torch.zeros_like(shard.exp_avg)
-        self.small = SmallParams(small)
-        self.state_small = {id(s.param): (torch.zeros_like(s.param), torch.zeros_like(s.param)) for s in small}
+        self.small = SmallParams(small, args.adam_lr, device)
+        # per parameter, as views of the flat moments: checkpoints keep one layout
+        self.state_small = {id(s.param): tuple(t.split(self.small.numels)[i].view_as(s.param)
+                                               for t in (self.small.exp_avg, self.small.exp_avg_sq))
+                            for i, s in enumerate(small)}
         units += self.adam_shards
         if small:
             units.append(self.small)
@@ -1412,6 +1427,11 @@ class ShardedMuonAdam:
             unit.flat = torch.cat([s.param.grad.flatten() for s in unit.specs])
             unit.work = self.comm.all_reduce_mean(unit.flat)
 
+    def compile_adam(self, backend="inductor"):
+        """Adam's update compiled, as the record compiles its Adam step: one fused pass per tensor,
+        bf16 moments and weights rounded only where they are stored."""
+        self.adam_update = torch.compile(adam_apply, dynamic=False, fullgraph=True, backend=backend)
+
     # -- the update ---------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self):
@@ -1423,6 +1443,8 @@ class ShardedMuonAdam:
         for group in self.muon_groups:
             gathers += self._muon_update(group)
         self.adam_steps += 1
+        b1, b2, t = self.args.adam_beta1, self.args.adam_beta2, self.adam_steps
+        self.adam_scale.fill_(self.lr_factor * (1 - b2 ** t) ** 0.5 / (1 - b1 ** t))
         for shard in self.adam_shards:
             gathers += self._adam_shard_update(shard)
         self._small_update()
@@ -1477,14 +1499,15 @@ class ShardedMuonAdam:
                 mine.append(b.slots[i] if i < len(b.slots) else None)
         return mine
 
-    def _adam_hparams(self, spec):
-        return (self.args.adam_lr * spec.lr_mult * self.lr_factor, self.args.adam_beta1, self.args.adam_beta2,
-                self.args.adam_eps, self.adam_steps)
+    def _adam(self, param, grad, exp_avg, exp_avg_sq, lr):
+        self.adam_update(param, grad, exp_avg, exp_avg_sq, lr, self.adam_scale, self.args.adam_beta1,
+                         self.args.adam_beta2, self.args.adam_eps)
 
     def _adam_shard_update(self, shard):
         p = shard.spec.param
+        lr = self.args.adam_lr * shard.spec.lr_mult
         if self.world_size == 1:
-            adam_apply(p, self._unaccumulate(p.grad), shard.exp_avg, shard.exp_avg_sq, *self._adam_hparams(shard.spec))
+            self._adam(p, self._unaccumulate(p.grad), shard.exp_avg, shard.exp_avg_sq, lr)
             return []
         self.comm.wait(shard.work)
         rows = shard.rows_per_rank
@@ -1493,7 +1516,7 @@ class ShardedMuonAdam:
         if shard.param_buffer is not None:
             shard.param_buffer[:p.shape[0]].copy_(p)
         local = full[start:start + rows].clone()
-        adam_apply(local, self._unaccumulate(shard.local_grad), shard.exp_avg, shard.exp_avg_sq, *self._adam_hparams(shard.spec))
+        self._adam(local, self._unaccumulate(shard.local_grad), shard.exp_avg, shard.exp_avg_sq, lr)
         work = self.comm.all_gather(full, local)
 
         def finish():
@@ -1503,17 +1526,18 @@ class ShardedMuonAdam:
         return [finish]
 
     def _small_update(self):
-        specs = self.small.specs
-        if not specs:
+        small = self.small
+        if not small.specs:
             return
+        params = [s.param for s in small.specs]
         if self.world_size > 1:
-            self.comm.wait(self.small.work)
-            grads = self._unaccumulate(self.small.flat).split([s.param.numel() for s in specs])
+            self.comm.wait(small.work)
+            grad = small.flat
         else:
-            grads = [self._unaccumulate(s.param.grad) for s in specs]
-        for s, g in zip(specs, grads):
-            m, v = self.state_small[id(s.param)]
-            adam_apply(s.param, g.view_as(s.param), m, v, *self._adam_hparams(s))
+            grad = torch.cat([p.grad.flatten() for p in params])
+        flat = torch.cat([p.detach().flatten() for p in params])
+        self._adam(flat, self._unaccumulate(grad), small.exp_avg, small.exp_avg_sq, small.lr)
+        torch._foreach_copy_(params, [t.view_as(p) for t, p in zip(flat.split(small.numels), params)])
 
     def _unaccumulate(self, grad):
         """The gradient sum over this rank's micro-steps, in place, as their mean."""
@@ -1543,14 +1567,13 @@ def normuon_normalize(update, second_moment, beta2, eps=1e-10):
     return normalized * scale
 
 
-def adam_apply(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, step):
+def adam_apply(param, grad, exp_avg, exp_avg_sq, lr, scale, beta1, beta2, eps):
     """Adam as the record computes it: eps is added to the uncorrected sqrt(v), and the bias
-    corrections fold into the step size. (The record compiles this step, so its bf16 moments
-    round only where stored; here each op rounds: a rounding-level difference.)"""
+    corrections fold into the step size, lr x scale, where scale = lr_factor x sqrt(1 - beta2^t) /
+    (1 - beta1^t). Run eagerly, each bf16 op rounds; compiled (compile_adam), only the stores do."""
     exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    step_size = lr * (1 - beta2 ** step) ** 0.5 / (1 - beta1 ** step)
-    param.sub_(exp_avg.div(exp_avg_sq.sqrt().add_(eps)).mul_(step_size))
+    param.sub_(exp_avg.div(exp_avg_sq.sqrt().add_(eps)).mul_(lr * scale))
 
 
 def lr_factor_at(step, args):
@@ -2430,6 +2453,7 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
     optimizer = ShardedMuonAdam(specs, args, ranks, hw, collectives)
     if args.compile:
         model.compile_for_training(args.compile_scope)
+        optimizer.compile_adam()
     log_header(log, args, ranks, hw, model, optimizer, data_note, (train_files, val_files))
     if shortfall:
         log(shortfall)

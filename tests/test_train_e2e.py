@@ -109,16 +109,23 @@ def test_training_lowers_the_loss_and_warmup_changes_nothing(make_shards):
 def test_compiled_training_gives_the_eager_run(make_shards, monkeypatch, scope):
     """train() with --compile true: warmup (which compiles the training and validation graphs),
     its reset, the optimizer's backward hooks and validation all run through the compiled model
-    and give the eager run's losses. Captured with aot_eager: inductor's CPU code generation would
-    take minutes, and its numerics are checked on a GPU (bench/gpu_proof.py)."""
+    and the compiled Adam update, and give the eager run's losses. The model is captured with
+    aot_eager (inductor's CPU code generation would take minutes; its numerics are checked on a
+    GPU, bench/gpu_proof.py); Adam's update is inductor's."""
     import torch._dynamo
     compile_for_training = train_gpt.GPT.compile_for_training
+    compile_adam = train_gpt.ShardedMuonAdam.compile_adam
     scopes = []
 
     def capture_only(model, scope, backend="inductor"):
         scopes.append(scope)
         compile_for_training(model, scope, backend="aot_eager")
+
+    def adam_compiled(optimizer):
+        scopes.append("adam")
+        compile_adam(optimizer)
     monkeypatch.setattr(train_gpt.GPT, "compile_for_training", capture_only)
+    monkeypatch.setattr(train_gpt.ShardedMuonAdam, "compile_adam", adam_compiled)
     data = make_shards()
     eager = in_process(data, warmup_steps=1, num_iterations=4, val_every=2)
     torch._dynamo.reset()
@@ -126,7 +133,7 @@ def test_compiled_training_gives_the_eager_run(make_shards, monkeypatch, scope):
         compiled = in_process(data, warmup_steps=1, num_iterations=4, val_every=2, compile=True, compile_scope=scope)
     finally:
         torch._dynamo.reset()
-    assert scopes == [scope]
+    assert scopes == [scope, "adam"]
     assert compiled.train_losses == pytest.approx(eager.train_losses, rel=1e-5)
     assert [v for _, v in compiled.val_losses] == pytest.approx([v for _, v in eager.val_losses], rel=1e-5)
 
