@@ -1158,9 +1158,10 @@ class MuonBucket(CommUnit):
 class AdamShard(CommUnit):
     """A large Adam parameter whose rows are split over ranks."""
 
-    def __init__(self, spec, world_size, device):
+    def __init__(self, spec, world_size, device, adam_lr):
         super().__init__([spec.param])
         self.spec = spec
+        self.lr = torch.tensor(adam_lr * spec.lr_mult, device=device)  # a tensor: not a constant of the graph
         rows = spec.param.shape[0]
         self.rows_per_rank = -(-rows // world_size)
         self.padded_rows = self.rows_per_rank * world_size
@@ -1172,14 +1173,15 @@ class AdamShard(CommUnit):
 
 
 class SmallParams(CommUnit):
-    """The parameters too small to shard, updated as one flat vector (the record keeps its scalars
-    in one parameter): one Adam pass instead of several kernels for each of two dozen scalars."""
+    """The parameters too small to shard, updated as one flat fp32 vector (the record keeps its
+    scalars in one parameter): one Adam pass instead of several kernels for each of two dozen."""
 
     def __init__(self, specs, adam_lr, device):
         super().__init__([s.param for s in specs])
         self.specs = specs
         self.numels = [s.param.numel() for s in specs]
-        self.lr = torch.cat([torch.full((n,), adam_lr * s.lr_mult) for n, s in zip(self.numels, specs)]).to(device)
+        self.lr = torch.tensor([adam_lr * s.lr_mult for s in specs]).repeat_interleave(
+            torch.tensor(self.numels, dtype=torch.long)).to(device)
         self.exp_avg = torch.zeros(sum(self.numels), device=device)
         self.exp_avg_sq = torch.zeros_like(self.exp_avg)
         self.flat = None
@@ -1260,7 +1262,7 @@ class ShardedMuonAdam:
         is_big = lambda s: s.param.ndim >= 2 and s.param.numel() >= args.adam_shard_min_numel  # noqa: E731
         big = [s for s in adam_specs if is_big(s)]
         small = [s for s in adam_specs if not is_big(s)]
-        self.adam_shards = [AdamShard(s, W, device) for s in big]
+        self.adam_shards = [AdamShard(s, W, device, args.adam_lr) for s in big]
         for shard in self.adam_shards:
             local_shape = (shard.rows_per_rank, *shard.spec.param.shape[1:]) if W > 1 else shard.spec.param.shape
             # moments in the parameter's dtype, as the record keeps them (bf16 for bf16 embeddings)
@@ -1429,7 +1431,10 @@ class ShardedMuonAdam:
 
     def compile_adam(self, backend="inductor"):
         """Adam's update compiled, as the record compiles its Adam step: one fused pass per tensor,
-        bf16 moments and weights rounded only where they are stored."""
+        bf16 moments and weights rounded only where they are stored. One graph per kind of tensor
+        (shape, dtype, parameter or not), shared by every optimizer of the process: past dynamo's
+        default limit of 8, fullgraph=True would fail rather than run eagerly."""
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         self.adam_update = torch.compile(adam_apply, dynamic=False, fullgraph=True, backend=backend)
 
     # -- the update ---------------------------------------------------------------------------------
@@ -1505,9 +1510,8 @@ class ShardedMuonAdam:
 
     def _adam_shard_update(self, shard):
         p = shard.spec.param
-        lr = self.args.adam_lr * shard.spec.lr_mult
         if self.world_size == 1:
-            self._adam(p, self._unaccumulate(p.grad), shard.exp_avg, shard.exp_avg_sq, lr)
+            self._adam(p, self._unaccumulate(p.grad), shard.exp_avg, shard.exp_avg_sq, shard.lr)
             return []
         self.comm.wait(shard.work)
         rows = shard.rows_per_rank
@@ -1516,7 +1520,7 @@ class ShardedMuonAdam:
         if shard.param_buffer is not None:
             shard.param_buffer[:p.shape[0]].copy_(p)
         local = full[start:start + rows].clone()
-        self._adam(local, self._unaccumulate(shard.local_grad), shard.exp_avg, shard.exp_avg_sq, lr)
+        self._adam(local, self._unaccumulate(shard.local_grad), shard.exp_avg, shard.exp_avg_sq, shard.lr)
         work = self.comm.all_gather(full, local)
 
         def finish():

@@ -1295,7 +1295,7 @@ def peer_warmup_steps(text):
     """The untimed warmup steps the record script takes (its `warmup_steps = N` line), which
     profile_step counts as optimizer steps: its timed step S is optimizer step N + S. Its hook
     fires after the first optimizer (Adam) of a step, before Muon, so the peer's window holds the
-    same work as ours shifted by half a step. None when the script has no such line."""
+    same work as ours, opened earlier by its Muon update. None when the script has no such line."""
     found = re.search(r"^warmup_steps\s*=\s*(\d+)", text, re.M)
     return int(found[1]) if found else None
 
@@ -1405,7 +1405,8 @@ def render_markdown(report):
         if comp.get("profiles"):
             first, last = comp["profiles"][0]["steps"]
             out += [f"Device time per step by kernel family over timed steps {first}..{last} (bench/profile_step.py; "
-                    "the peer's window starts after its Adam step, half a step later):", "",
+                    "the peer's window opens after its Adam step, before its Muon step: the same work, "
+                    "opened earlier):", "",
                     "| kernel family | ours ms/step | peer ms/step | ours - peer |", "|---|---|---|---|"]
             out += ["| " + " | ".join(fmt(x) for x in row) + " |" for row in profile_rows(comp["profiles"])] + [""]
     for name, p in report["phases"].items():

@@ -199,7 +199,7 @@ def main(argv=None):
 
     def start():
         sync()
-        # CUDA is first asked for here, inside the run: the script sets its allocator options first
+        # the activities are chosen when the window opens, inside the run the script has set up
         cuda = [ProfilerActivity.CUDA] if torch.cuda.is_available() else []
         state["prof"] = profile(activities=[ProfilerActivity.CPU] + cuda)
         state["prof"].__enter__()

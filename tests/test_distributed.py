@@ -46,10 +46,17 @@ def rank_env(rank, world_size, port):
                 LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
-def train_worker(rank, world_size, port, argv, out_path, overlap):
-    """One rank: train, check after every step that all ranks hold identical parameters, save."""
+def train_worker(rank, world_size, port, argv, out_path, overlap, compiled_adam=False):
+    """One rank: train, check after every step that all ranks hold identical parameters, save.
+    compiled_adam: --compile true with the model left eager and Adam's update captured by dynamo."""
     os.environ.update(rank_env(rank, world_size, port))
     torch.set_num_threads(1)
+    if compiled_adam:  # a spawned process: nothing else sees these patches
+        from torch._dynamo.utils import counters
+        compile_adam = train_gpt.ShardedMuonAdam.compile_adam
+        train_gpt.ShardedMuonAdam.compile_adam = lambda self: compile_adam(self, backend="aot_eager")
+        train_gpt.GPT.compile_for_training = lambda self, scope, backend=None: None
+        argv = argv + ["--compile=true"]
     args = train_gpt.parse_config(argv + [f"--overlap_comms={overlap}"], {}, world_size, False)
     ranks = train_gpt.Ranks.from_env(os.environ)
     hw = train_gpt.Hardware.detect(args)
@@ -79,6 +86,8 @@ def train_worker(rank, world_size, port, argv, out_path, overlap):
             dist.all_gather(everyone, flat)
             record["rank_spread"].append(max((e - flat).abs().max().item() for e in everyone))
         record["sent_bytes"].append(comm.sent_bytes)
+        if compiled_adam:
+            record.setdefault("adam_graphs", []).append(counters["stats"]["unique_graphs"])
         record["calls"].append(comm.calls)
         if step == args.num_iterations:
             record["params"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -95,8 +104,8 @@ def train_worker(rank, world_size, port, argv, out_path, overlap):
     dist.destroy_process_group() if dist.is_initialized() else None
 
 
-def run_world(world_size, argv, tmp_path, overlap=True):
-    out = tmp_path / f"ws{world_size}_{overlap}.pt"
+def run_world(world_size, argv, tmp_path, overlap=True, compiled_adam=False):
+    out = tmp_path / f"ws{world_size}_{overlap}_{compiled_adam}.pt"
     if world_size == 1:
         # A single process with no process group: exactly how `python train_gpt.py` runs.
         args = train_gpt.parse_config(argv + [f"--overlap_comms={overlap}"], {}, 1, False)
@@ -111,8 +120,8 @@ def run_world(world_size, argv, tmp_path, overlap=True):
                                  collectives=comm, on_step=on_step)
         return dict(losses=result.train_losses, params=states["params"], state_bytes=states["state_bytes"],
                     calls=[comm.calls])
-    mp.start_processes(train_worker, args=(world_size, free_port(), argv, str(out), overlap), nprocs=world_size,
-                       join=True, start_method="spawn")
+    mp.start_processes(train_worker, args=(world_size, free_port(), argv, str(out), overlap, compiled_adam),
+                       nprocs=world_size, join=True, start_method="spawn")
     return torch.load(out)
 
 
@@ -136,6 +145,7 @@ def equivalence_runs(tmp_path_factory):
                      **EQUIVALENCE)
     runs = {ws: run_world(ws, argv, tmp_path) for ws in (1, 2, 3, 4)}
     runs["2_no_overlap"] = run_world(2, argv, tmp_path, overlap=False)
+    runs["2_compiled_adam"] = run_world(2, argv, tmp_path, compiled_adam=True)
     runs["argv"] = argv
     return runs
 
@@ -192,6 +202,19 @@ def test_overlap_changes_nothing(equivalence_runs):
     assert with_hooks["losses"] == without["losses"]
     for name, value in with_hooks["params"].items():
         assert torch.equal(without["params"][name], value), name
+
+
+def test_compiled_adam_at_world_size_2(equivalence_runs):
+    """compile_adam where the update takes each rank's rows (plain tensors, not the parameters):
+    its graphs are made at the first step and none after, and it trains the eager run's model."""
+    eager, compiled = equivalence_runs[2], equivalence_runs["2_compiled_adam"]
+    graphs = compiled["adam_graphs"]
+    assert graphs[0] > 0 and graphs == [graphs[0]] * EQUIVALENCE["num_iterations"]
+    assert compiled["losses"] == pytest.approx(eager["losses"], rel=LOSS_RTOL)
+    bounds = movement_bounds(equivalence_runs["argv"])
+    for name, value in eager["params"].items():
+        torch.testing.assert_close(compiled["params"][name], value, atol=MOVEMENT_FRACTION * bounds[name], rtol=0,
+                                   msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])

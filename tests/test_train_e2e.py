@@ -122,18 +122,26 @@ def test_compiled_training_gives_the_eager_run(make_shards, monkeypatch, scope):
         compile_for_training(model, scope, backend="aot_eager")
 
     def adam_compiled(optimizer):
-        scopes.append("adam")
         compile_adam(optimizer)
+        compiled = optimizer.adam_update
+
+        def counted(*args):
+            scopes.append("adam")  # the compiled update is the one train() calls
+            return compiled(*args)
+        optimizer.adam_update = counted
     monkeypatch.setattr(train_gpt.GPT, "compile_for_training", capture_only)
     monkeypatch.setattr(train_gpt.ShardedMuonAdam, "compile_adam", adam_compiled)
     data = make_shards()
-    eager = in_process(data, warmup_steps=1, num_iterations=4, val_every=2)
+    # fp32 embeddings: compiled and eager Adam then differ at fp32 rounding only (with bf16 ones,
+    # by a bf16 unit in a quarter of the entries: tests/test_optim.py checks that rounding)
+    config = dict(warmup_steps=1, num_iterations=4, val_every=2, bf16_embeds=False)
+    eager = in_process(data, **config)
     torch._dynamo.reset()
     try:
-        compiled = in_process(data, warmup_steps=1, num_iterations=4, val_every=2, compile=True, compile_scope=scope)
+        compiled = in_process(data, **config, compile=True, compile_scope=scope)
     finally:
         torch._dynamo.reset()
-    assert scopes == [scope, "adam"]
+    assert scopes[0] == scope and scopes[1:] == ["adam"] * (len(scopes) - 1) and len(scopes) > 10
     assert compiled.train_losses == pytest.approx(eager.train_losses, rel=1e-5)
     assert [v for _, v in compiled.val_losses] == pytest.approx([v for _, v in eager.val_losses], rel=1e-5)
 
