@@ -7,6 +7,8 @@ import sys
 import warnings
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -150,7 +152,9 @@ def test_a_window_past_the_runs_last_step_is_refused_before_the_run(tmp_path):
     assert bad.returncode == 2 and "unknown option --bogus" in bad.stderr and "Traceback" not in bad.stderr
 
 
-def test_a_run_that_ends_inside_the_window_stops_the_profiler_and_exits_cleanly(tmp_path):
+@pytest.mark.parametrize("ending, status", [("", 1), ("raise SystemExit(3)\n", 3)])
+def test_a_run_that_ends_inside_the_window_stops_the_profiler_and_exits_cleanly(tmp_path, ending, status):
+    """Nothing profiled is a failure (1), unless the run failed itself: its own status is kept."""
     script = tmp_path / "short_train.py"
     script.write_text(
         "import torch\n"
@@ -158,11 +162,11 @@ def test_a_run_that_ends_inside_the_window_stops_the_profiler_and_exits_cleanly(
         "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
         "for step in range(3):\n"
         "    model(torch.randn(16, 8)).square().sum().backward()\n"
-        "    opt.step()\n")
+        "    opt.step()\n" + ending)
     out = tmp_path / "prof"
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "profile_step.py"), "--out", str(out),
                         "--steps", "1:5", "--script", str(script)],
                        capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert r.returncode == 1, (r.returncode, r.stderr[-2000:])   # it was -11 (a segfault): the profiler left running
+    assert r.returncode == status, (r.returncode, r.stderr[-2000:])  # it was -11: the profiler left running
     assert "the run ended before step 5: nothing profiled" in r.stderr
     assert "callback is not found" not in r.stderr and not (out / "kernels.txt").exists()
