@@ -2415,7 +2415,6 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
     stop: the StopSignals main() installed (None: signals are not watched)."""
     stop = stop or StopSignals()
     torch.manual_seed(args.seed)
-    checkpoint = read_checkpoint(args.resume, "resume", args) if args.resume else None
     checkpoint_path = checkpoint_path_of(log) if args.save_checkpoint else None
     if args.save_checkpoint and ranks.is_master and checkpoint_path is None:
         raise ValueError("save_checkpoint: the checkpoint goes beside the log, so train() needs a RunLog")
@@ -2423,8 +2422,10 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
     # Each rank reads the files itself, so one may fail alone (a flaky network filesystem) while
     # the others would wait at their next collective for the dist timeout. So the ranks agree
     # here: the lowest rank that failed names the file, once, and every rank ends.
-    failure = None
+    failure = checkpoint = None
     try:
+        if args.resume:  # main() checked it; a read that fails now fails on one rank alone
+            checkpoint = read_checkpoint(args.resume, "resume", args)
         train_files, val_files, data_note = resolve_data_files(args)
         val_tokens = load_val_tokens(val_files, args.val_tokens, args.vocab_size, pin)
         check_shard_tokens(train_files, args.vocab_size)
@@ -2897,7 +2898,7 @@ def main(argv=None, environ=None):
     try:
         init_process_group(args, ranks, hw)
         result = train(args, ranks, hw, log, stop=stop)
-    except (DataError, RankMismatch, CheckpointError) as e:
+    except (DataError, RankMismatch, CheckpointError, ConfigError) as e:
         if not isinstance(e, PeerDataError):
             print(f"train_gpt.py: error: {e}", file=sys.stderr)
         return EXIT_ERROR

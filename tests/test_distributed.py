@@ -7,6 +7,7 @@ import contextlib
 import functools
 import io
 import os
+import shutil
 import signal
 import socket
 import time
@@ -336,6 +337,41 @@ def test_data_file_failing_before_training_ends_every_rank_with_one_line(tmp_pat
     assert results[min(bad_ranks)][1] == lines[0]  # the lowest failing rank says it
     assert elapsed < 30  # not the 60 s dist timeout
     assert not (tmp_path / "logs").exists()  # nothing was started
+
+
+def unreadable_checkpoint_worker(rank, *args):
+    """main_worker; on rank 1 the checkpoint reads once, for main()'s check, and then fails (a flaky
+    network filesystem)."""
+    if rank == 1:
+        read, calls = train_gpt.read_checkpoint, []
+
+        def flaky_read(path, option, *a):
+            calls.append(path)
+            if len(calls) > 1:
+                raise train_gpt.ConfigError(f"--{option}={path!r}: cannot read (Input/output error)")
+            return read(path, option, *a)
+        train_gpt.read_checkpoint = flaky_read  # a spawned process: nothing else sees this
+    main_worker(rank, *args)
+
+
+def test_a_checkpoint_failing_on_one_rank_at_set_up_ends_every_rank_with_one_line(tmp_path, make_shards):
+    train_glob, val_glob, _ = make_shards()
+    config = dict(train_files=train_glob, val_files=val_glob, micro_batches=2, val_every=0)
+    args = train_gpt.parse_config(tiny_argv(**config, log_dir=tmp_path / "first", save_checkpoint=True,
+                                            checkpoint_every=2), {}, 1, False)
+    log, saved = train_gpt.RunLog(args, train_gpt.Ranks(), echo=False), tmp_path / "step2.pt"
+
+    def keep_step_2(step, model, optimizer):
+        if step == 2:
+            shutil.copyfile(train_gpt.checkpoint_path_of(log), saved)
+    train_gpt.train(args, train_gpt.Ranks(), train_gpt.Hardware.detect(args), log, on_step=keep_step_2)
+    argv = tiny_argv(**config, log_dir=tmp_path / "logs", resume=saved, dist_timeout_s=60)
+    results, elapsed = launch_main(tmp_path, [argv, argv], world_size=2, worker=unreadable_checkpoint_worker)
+    assert results == [(train_gpt.EXIT_ERROR, ""),
+                       (train_gpt.EXIT_ERROR, f"train_gpt.py: error: --resume={str(saved)!r}: cannot read "
+                                              "(Input/output error)")]
+    assert elapsed < 30  # not the 60 s dist timeout
+    assert not (tmp_path / "logs").exists()
 
 
 def interrupt_self(message):
