@@ -1270,9 +1270,8 @@ class ShardedMuonAdam:
             shard.exp_avg_sq = torch.zeros_like(shard.exp_avg)
         self.small = SmallParams(small, args.adam_lr, device)
         # per parameter, as views of the flat moments: checkpoints keep one layout
-        self.state_small = {id(s.param): tuple(t.split(self.small.numels)[i].view_as(s.param)
-                                               for t in (self.small.exp_avg, self.small.exp_avg_sq))
-                            for i, s in enumerate(small)}
+        parts = zip(self.small.exp_avg.split(self.small.numels), self.small.exp_avg_sq.split(self.small.numels))
+        self.state_small = {id(s.param): (m.view_as(s.param), v.view_as(s.param)) for s, (m, v) in zip(small, parts)}
         units += self.adam_shards
         if small:
             units.append(self.small)
