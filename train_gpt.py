@@ -922,7 +922,9 @@ if triton is not None:
             # Round the scaled tile to the input dtype, exactly like the dot operands,
             # so that b*A and c*A@A see the same A.
             a_tile = (a_tile.to(tl.float32) * row_scale[:, None] * col_scale[None, :]).to(a_ptr.dtype.element_ty)
-        acc = coef_c * acc + coef_b * a_tile.to(tl.float32)
+        # torch.compile passes Python floats as fp64 scalars: uncast, they would make the
+        # arithmetic fp64 (and poly_apply's accumulator, which tl.dot refuses; seen on an H100)
+        acc = tl.cast(coef_c, tl.float32) * acc + tl.cast(coef_b, tl.float32) * a_tile.to(tl.float32)
         _store_symmetric_tile(b_ptr, acc, rows, cols, stride_bm, stride_bn, m, off_diagonal)
 
     @triton.autotune(configs=_rect_tile_configs(), key=["m", "n"])
@@ -952,7 +954,7 @@ if triton is not None:
         if HAS_SCALE:
             row_scale = tl.load(scale_ptr + rows, mask=rows < m, other=0.0)
             x_tile = (x_tile.to(tl.float32) * row_scale[:, None]).to(x_ptr.dtype.element_ty)
-        acc = coef_a * x_tile.to(tl.float32)
+        acc = tl.cast(coef_a, tl.float32) * x_tile.to(tl.float32)
         for k0 in range(0, m, BLOCK_K):
             left = _load_tile(b_ptr, rows, k0 + inner, stride_bm, stride_bk, m, m)
             right = _load_tile(x_ptr, k0 + inner, cols, stride_xm, stride_xn, m, n)

@@ -144,6 +144,58 @@ def test_triton_wrappers_trace_in_one_graph(method, monkeypatch):
     assert launched == ["_gram_kernel", "_sym_poly_kernel", "_poly_apply_kernel"] * steps
 
 
+# Builds each kernel's Triton IR for an H100 (no GPU needed: only the front end runs) with the
+# argument types a launch gives it. Inductor, compiling a graph that launches the kernels, types
+# Python float arguments as fp64 (config._use_fp64_for_unbacked_floats); a plain launch as fp32.
+# Runs in a fresh process: the interpreter, switched on for this one, replaces the JIT functions.
+IR_BUILD_SCRIPT = r"""
+import sys
+import train_gpt as tg
+from triton._C.libtriton import ir
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.compiler.compiler import make_backend
+
+float_type = sys.argv[1]
+target = GPUTarget("cuda", 90, 32)
+backend = make_backend(target)
+options = backend.parse_options({})
+for name in ("_gram_kernel", "_sym_poly_kernel", "_poly_apply_kernel"):
+    fn = getattr(tg, name).fn   # the autotuner's JIT function
+    constexprs = {"WITH_ROW_ABS_SUM": True, "HAS_SCALE": True, "IEEE_FP32": False,
+                  "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32}
+    signature = {}
+    for arg in fn.arg_names:
+        if arg in constexprs:
+            signature[arg] = "constexpr"
+        elif arg.endswith("_ptr"):
+            signature[arg] = "*fp32" if arg in ("row_abs_sum_ptr", "scale_ptr") else "*bf16"
+        else:
+            signature[arg] = float_type if arg.startswith("coef_") else "i32"
+    constexprs = {k: v for k, v in constexprs.items() if k in fn.arg_names}
+    context = ir.context()
+    ir.load_dialects(context)
+    backend.load_dialects(context)
+    ASTSource(fn, signature, constexprs).make_ir(target, options, backend.get_codegen_implementation(options),
+                                                 backend.get_module_map(), context)
+    print(name, "built")
+"""
+
+
+@needs_triton
+@pytest.mark.parametrize("float_type", ["fp32", "fp64"])
+def test_kernels_build_with_the_argument_types_torch_compile_gives(float_type):
+    """On an H100 (torch 2.11), compiling the record's way (torch.compile around
+    orthogonalize_triton) failed: the fp64 coefficient made poly_apply's accumulator fp64, which
+    tl.dot refuses. The kernels cast their coefficients to fp32."""
+    import subprocess
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", IR_BUILD_SCRIPT, float_type], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split("\n")[:3] == ["_gram_kernel built", "_sym_poly_kernel built", "_poly_apply_kernel built"]
+
+
 # ----------------------------------------------------------------------------- Triton vs twin
 
 @needs_triton
