@@ -54,7 +54,7 @@ TRAINER = os.path.join(REPO_ROOT, "train_gpt.py")
 PROFILER = os.path.join(REPO_ROOT, "bench", "profile_step.py")
 PHASES = ("env", "correct", "kernels", "train", "peer")
 # Seconds per phase on a GPU: env+correct+kernels, train, and peer each fit one 10-minute command.
-BUDGET_S = {"env": 40, "correct": 250, "kernels": 220, "train": 530, "peer": 530}
+BUDGET_S = {"env": 40, "correct": 250, "kernels": 270, "train": 530, "peer": 530}
 SMOKE_BUDGET_S = {"env": 60, "correct": 120, "kernels": 120, "train": 180, "peer": 60}
 STEADY_FROM = 20                     # steady ms/step is measured over steps STEADY_FROM..N
 SMOKE_STEADY_FROM = 3                # (tiny CPU runs: steps 3..N)
