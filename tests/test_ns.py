@@ -187,7 +187,8 @@ for name in ("_gram_kernel", "_sym_poly_kernel", "_poly_apply_kernel"):
 def test_kernels_build_with_the_argument_types_torch_compile_gives(float_type):
     """On an H100 (torch 2.11), compiling the record's way (torch.compile around
     orthogonalize_triton) failed: the fp64 coefficient made poly_apply's accumulator fp64, which
-    tl.dot refuses. The kernels cast their coefficients to fp32."""
+    tl.dot refuses. The kernels cast their coefficients to fp32. Without the casts this fails with
+    triton 3.6 (the H100's) on the H100's own assertion, and with 3.9 at the loop-carried type check."""
     import subprocess
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", IR_BUILD_SCRIPT, float_type], cwd=REPO_ROOT, env=env,
