@@ -97,6 +97,34 @@ def test_smoke_kernels_table_covers_every_method_and_backend(smoke):
     assert {r["steps"] for r in timed if r["ns_method"] == "aol"} == {4}
 
 
+def test_kernels_phase_gives_up_a_backend_that_fails_on_a_whole_stack(tmp_path, monkeypatch):
+    """On the H100 the compiled Triton backend failed on every stack, about 10 s each, and spent the
+    budget meant for the 8-GPU stacks. A backend that fails on every method of one stack is not
+    tried on later stacks; the other backends still time every stack."""
+    import time
+
+    import train_gpt
+    calls = []
+
+    def broken(G, method="newton_schulz", coeffs=None):
+        calls.append(tuple(G.shape))
+        raise RuntimeError("planted failure")
+    monkeypatch.setattr(train_gpt, "orthogonalize_triton", broken)
+    rec = gpu_proof.Recorder(str(tmp_path / "kernels.json"), "kernels")
+    gpu_proof.phase_kernels(rec, {"cpu_smoke": True, "deadline": time.time() + 600})
+    stacks = {tuple(r[1].split(" x ")) for r in rec.data["tables"][0]["rows"]}
+    assert len(stacks) >= 2   # a later stack exists, so giving up is observable
+    first = calls[0]
+    assert calls == [first] * len(train_gpt.NS_METHODS)   # tried on the first stack only
+    assert len(rec.data["errors"]) == len(train_gpt.NS_METHODS)
+    assert any("triton: failed on every ns_method" in n and "not tried on the later stacks" in n
+               for n in rec.data["notes"])
+    timed = rec.data["tables"][0]["rows"]
+    assert {r[4] for r in timed} == {"triton", "torch"}
+    torch_rows = [r for r in timed if r[4] == "torch"]
+    assert len(torch_rows) == len(stacks) * len(train_gpt.NS_METHODS) and all(r[5] > 0 for r in torch_rows)
+
+
 def test_muon_layout_per_rank_counts():
     """At 8 GPUs a rank orthogonalizes ceil(bucket/8) matrices of every bucket of its shape."""
     import torch
