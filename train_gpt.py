@@ -116,7 +116,7 @@ class Hyperparameters:
     embed_lr_mult: float = 75.0         # embeddings train at adam_lr * 75
     head_lr_mult: float = 1.0           # lm_head trains at adam_lr * this
     scalar_lr_mult: float = 5.0         # scalar parameters train at adam_lr * this
-    adam_shard_min_numel: int = 65536   # Adam matrices at least this big are row-sharded; the rest all-reduced
+    adam_shard_min_numel: int = 65536   # Adam matrices this big are row-sharded; the rest: one all-reduced fp32 vector
     muon_lr: float = 0.05               # Muon learning rate of the block matrices
     muon_momentum_start: float = 0.85   # Muon momentum at step 0 ...
     muon_momentum_end: float = 0.95     # ... rising linearly to this
