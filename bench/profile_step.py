@@ -5,8 +5,8 @@ after optimizer step A and stops it after step B (`--steps A:B`, so steps A+1..B
 and writes to --out:
 - kernels.txt: operators and kernels sorted by device time (CUDA) or CPU time, with call counts;
 - categories.txt: device (or CPU) time per step grouped into GEMMs, FlexAttention, inductor
-  kernels, ATen element-wise kernels, and the rest, and the span per step (the gap between span
-  and kernel time is time the GPU sat idle);
+  kernels, ATen element-wise kernels, and the rest, the span per step, and the time the GPU sat
+  idle inside it, split into gaps under 10 us (launch latency between kernels) and longer ones;
 - trace.json.gz: the Chrome trace (open in chrome://tracing or Perfetto);
 - syncs.txt: on CUDA, the host syncs inside the window (torch.cuda.set_sync_debug_mode("warn")),
   counted by the Python line that caused them; a step without any lets the host run ahead;
@@ -89,7 +89,23 @@ def device_time_per_step(trace, steps):
     figures = {name: (us / 1e3 / steps, calls[name] / steps) for name, us in per.most_common()}
     figures["all kernels"] = (sum(per.values()) / 1e3 / steps, None)
     figures["span (first to last kernel)"] = ((end - start) / 1e3 / steps, None)
+    # Where the idle time is: many tiny gaps are launch latency between back-to-back kernels
+    # (fewer, fused kernels help); long ones are the GPU waiting on the host or on a sync.
+    busy = sorted((e["ts"], e["ts"] + e["dur"]) for e in trace["traceEvents"]
+                  if e.get("ph") == "X" and e.get("cat") in DEVICE_ACTIVITY)
+    short, long_ = [], []
+    covered = busy[0][1]
+    for begin, finish in busy[1:]:
+        if begin > covered:
+            (short if begin - covered < LAUNCH_GAP_US else long_).append(begin - covered)
+        covered = max(covered, finish)
+    for name, gaps in ((f"idle, gaps < {LAUNCH_GAP_US} us", short), (f"idle, gaps >= {LAUNCH_GAP_US} us", long_)):
+        figures[name] = (sum(gaps) / 1e3 / steps, len(gaps) / steps)
     return figures
+
+
+DEVICE_ACTIVITY = ("kernel", "gpu_memset", "gpu_memcpy")   # what keeps a GPU busy in a Kineto trace
+LAUNCH_GAP_US = 10
 
 
 def summarize(figures):

@@ -72,6 +72,27 @@ def test_kernel_categories_and_span():
     assert profile_step.device_time_per_step({"traceEvents": trace["traceEvents"][-1:]}, steps=2) is None
 
 
+def test_idle_time_is_split_into_launch_gaps_and_long_gaps():
+    """Idle time inside the span: gaps between device activity (kernels, memsets, copies; kernels on
+    two streams overlap) under 10 us are launch latency, the rest waiting."""
+    def event(cat, ts, dur):
+        return {"ph": "X", "cat": cat, "name": "triton_poi_fused_add_0", "ts": ts, "dur": dur}
+    trace = {"traceEvents": [
+        event("kernel", 0, 100),
+        event("kernel", 104, 100),       # 4 us after: a launch gap
+        event("kernel", 150, 200),       # another stream, overlapping: no gap
+        event("gpu_memset", 352, 2),     # 2 us gap, then a memset keeps the GPU busy
+        event("kernel", 360, 40),        # 6 us gap
+        event("gpu_memcpy", 900, 50),    # 500 us waiting
+        event("kernel", 1000, 100),      # 50 us waiting
+        event("cpu_op", 0, 5000),        # host time is not device activity
+    ]}
+    figures = profile_step.device_time_per_step(trace, steps=2)
+    assert figures["idle, gaps < 10 us"] == pytest.approx(((4 + 2 + 6) / 1e3 / 2, 3 / 2))
+    assert figures["idle, gaps >= 10 us"] == pytest.approx(((500 + 50) / 1e3 / 2, 2 / 2))
+    assert figures["span (first to last kernel)"] == (1100 / 1e3 / 2, None)
+
+
 def sync_here():
     warnings.warn(f"{profile_step.SYNC_WARNING} (x.item())")
 
