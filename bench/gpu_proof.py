@@ -905,7 +905,7 @@ def phase_kernels(rec, ctx):
                       "A@A); 'vs torch NS' = ms of compiled torch Newton-Schulz / ms (higher is faster)",
                       ["GPUs", "stack", "ns_method", "steps", "backend", "ms", "TFLOP/s", "vs torch NS",
                        "vs triton NS"])
-    totals, stacks_timed = {}, {}
+    timed = {}   # (GPUs, method, backend): ms of each stack it was timed on
     shapes = sorted(layout["counts"], key=lambda s: -s[0] * s[1])
     plan = [(world, shape) for world in ((1, 8) if cuda else (8,)) for shape in shapes]
     out_of_time = False
@@ -930,9 +930,7 @@ def phase_kernels(rec, ctx):
                                  lambda fn=fn, method=method: fn(G, method))
                 times[(method, backend)] = ms
                 if ms is not None:
-                    key = (world, method, backend)
-                    totals[key] = totals.get(key, 0.0) + ms
-                    stacks_timed[key] = stacks_timed.get(key, 0) + 1
+                    timed.setdefault((world, method, backend), []).append(ms)
                 flops = count * orthogonalize_flops(m, n, steps, symmetric=backend.startswith("triton"))
                 rows.append([world, f"{count} x {m}x{n}", method, steps, backend, ms,
                              None if not ms else flops / (ms * 1e-3) / 1e12, None, None])
@@ -958,7 +956,7 @@ def phase_kernels(rec, ctx):
     for world in (1, 8):
         # a sum over some of the stacks would understate the step and overstate the ratio
         stacks = sum(1 for w, _ in plan if w == world)
-        whole = {k: v for k, v in totals.items() if k[0] == world and stacks_timed[k] == stacks}
+        whole = {k: sum(v) for k, v in timed.items() if k[0] == world and len(v) == stacks}
         base = whole.get((world, "newton_schulz", "torch"))
         for method in tg.NS_METHODS:
             for backend, _ in backends:

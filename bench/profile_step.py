@@ -73,10 +73,16 @@ def kernel_category(name):
     return "other"
 
 
+DEVICE_ACTIVITY = ("kernel", "gpu_memset", "gpu_memcpy")   # what keeps a GPU busy in a Kineto trace
+LAUNCH_GAP_US = 10
+
+
 def device_time_per_step(trace, steps):
-    """{category: (ms per step, calls per step)} of the trace's device kernels, with "all kernels"
-    and the span from the first kernel to the last; None for a trace without kernels (CPU run)."""
-    kernels = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and e.get("cat") == "kernel"]
+    """{category: (ms per step, calls per step)} of the trace's device kernels, with "all kernels",
+    the span from the first kernel to the last and the idle time in it (ms and gaps per step, short
+    and long); None for a trace without kernels (CPU run)."""
+    device = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and e.get("cat") in DEVICE_ACTIVITY]
+    kernels = [e for e in device if e["cat"] == "kernel"]
     if not kernels:
         return None
     per = collections.Counter()
@@ -91,8 +97,7 @@ def device_time_per_step(trace, steps):
     figures["span (first to last kernel)"] = ((end - start) / 1e3 / steps, None)
     # Where the idle time is: many tiny gaps are launch latency between back-to-back kernels
     # (fewer, fused kernels help); long ones are the GPU waiting on the host or on a sync.
-    busy = sorted((e["ts"], e["ts"] + e["dur"]) for e in trace["traceEvents"]
-                  if e.get("ph") == "X" and e.get("cat") in DEVICE_ACTIVITY)
+    busy = sorted((e["ts"], e["ts"] + e["dur"]) for e in device)
     short, long_ = [], []
     covered = busy[0][1]
     for begin, finish in busy[1:]:
@@ -104,13 +109,8 @@ def device_time_per_step(trace, steps):
     return figures
 
 
-DEVICE_ACTIVITY = ("kernel", "gpu_memset", "gpu_memcpy")   # what keeps a GPU busy in a Kineto trace
-LAUNCH_GAP_US = 10
-
-
 def summarize(figures):
-    """device_time_per_step's figures as a table (the gap between span and kernel time is time the
-    GPU sat idle)."""
+    """device_time_per_step's figures as a table."""
     if figures is None:
         return "no device kernels in the trace (CPU run): see kernels.txt for CPU time\n"
     lines = [f"{'category':28} {'ms/step':>9} {'calls/step':>11}"]
