@@ -11,14 +11,17 @@ for path in (ROOT, ROOT / "data", ROOT / "records"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
+# The suite runs on the CPU on every machine, GPUs or not, so that it gives the same results
+# everywhere: GPUs are hidden before torch can see them, and Triton kernels run in its
+# interpreter, which must be chosen before any kernel is defined, i.e. before train_gpt is
+# imported. The GPU paths (compiled kernels in bf16, FlexAttention, FP8, compile) are checked
+# by bench/gpu_proof.py. Subprocesses (train_gpt.py, run.sh) inherit both.
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
+os.environ["TRITON_INTERPRET"] = "1"
+
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
-
-# Without a GPU, Triton kernels run only in its interpreter, which must be chosen before any
-# kernel is defined, i.e. before train_gpt is imported.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 

@@ -224,7 +224,6 @@ def test_signal_ends_the_run_with_one_line(tmp_path, make_shards, signum, wait_f
     assert only_log(log_dir).splitlines()[-2:] == last
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="run.sh starts one process per GPU there")
 def test_interrupting_a_torchrun_group_stops_every_rank_at_the_same_step(tmp_path, make_shards):
     train_glob, val_glob, _ = make_shards()
     log_dir = tmp_path / "records"
@@ -244,7 +243,6 @@ def test_interrupting_a_torchrun_group_stops_every_rank_at_the_same_step(tmp_pat
     assert out.strip().splitlines()[-2:] == last
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="run.sh starts one process per GPU there")
 def test_interrupting_a_torchrun_group_during_warmup_reports_once(tmp_path, make_shards):
     train_glob, val_glob, _ = make_shards()
     proc = start(tmp_path, tiny_argv(train_files=train_glob, val_files=val_glob, log_dir=tmp_path / "records",
@@ -257,7 +255,6 @@ def test_interrupting_a_torchrun_group_during_warmup_reports_once(tmp_path, make
     assert out.count("interrupted at step 0/") == 1 and out.count("peak memory") == 1, out[-2000:]
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="run.sh starts one process per GPU there")
 def test_rank_killed_by_a_signal_is_named_in_one_line(tmp_path, make_shards):
     """A rank the kernel kills (the OOM killer's SIGKILL) cannot say why itself: run.sh does."""
     train_glob, val_glob, _ = make_shards()

@@ -78,9 +78,11 @@ def test_micro_batches_hint_names_the_flag():
                               "another multiple of 16)")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_more_processes_than_gpus_is_one_line():
-    gpus = torch.cuda.device_count()
+def test_more_processes_than_gpus_is_one_line(monkeypatch):
+    gpus = 2   # a machine with two GPUs (the suite itself runs on the CPU: conftest)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     args = train_gpt.parse_config(tiny_argv(micro_batches=gpus + 1, preset="speedrun"), {}, gpus + 1, True)
     ranks = train_gpt.Ranks(rank=gpus, local_rank=gpus, world_size=gpus + 1, local_world_size=gpus + 1)
     with pytest.raises(train_gpt.ConfigError, match=f"this machine has {gpus} GPUs"):
@@ -89,10 +91,16 @@ def test_more_processes_than_gpus_is_one_line():
     assert train_gpt.Hardware.detect(args, last).device == torch.device("cuda", gpus - 1)
 
 
+def test_the_suite_runs_on_the_cpu_on_every_machine():
+    """conftest hides the GPUs and chooses Triton's interpreter, for the tests and the processes
+    they start, so that the suite gives the same results on a GPU machine as in CI."""
+    assert not torch.cuda.is_available() and train_gpt.TRITON_INTERPRETING
+    probe = "import os, torch; print(torch.cuda.device_count(), os.environ.get('TRITON_INTERPRET'))"
+    child = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert child.stdout.split() == ["0", "1"]
+
+
 # --- run.sh on CPU: several processes, several machines ----------------------------------------
-
-cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="run.sh starts one process per GPU there")
-
 
 def start_run_sh(argv, tmp_path, **variables):
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARIABLES}
@@ -116,7 +124,6 @@ def val_losses(log_dir):
     return [float(m.group(3)) for m in map(STEP_VAL.match, text.splitlines()) if m]
 
 
-@cpu_only
 def test_two_machines_train_what_one_machine_trains(tmp_path, make_shards):
     train_glob, val_glob, _ = make_shards()
     # no --micro_batches: run.sh gives each of the 2 processes one; one thread each on either
@@ -137,7 +144,6 @@ def test_two_machines_train_what_one_machine_trains(tmp_path, make_shards):
     assert multi == pytest.approx(single, rel=LOSS_RTOL)
 
 
-@cpu_only
 def test_failed_process_ends_in_its_own_line_and_status(tmp_path):
     """torchrun alone adds a traceback, a failure summary and its log lines to the trainer's one line,
     printed by every rank."""
@@ -150,7 +156,6 @@ def test_failed_process_ends_in_its_own_line_and_status(tmp_path):
     assert not (tmp_path / "logs").exists()
 
 
-@cpu_only
 @pytest.mark.parametrize("node_rank", [0, 1])  # the rendezvous's host waits; another machine finds no host
 def test_machine_that_never_joins_ends_in_one_line(tmp_path, make_shards, node_rank):
     train_glob, val_glob, _ = make_shards()

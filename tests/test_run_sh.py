@@ -10,12 +10,10 @@ import sys
 import time
 
 import pytest
-import torch
 
 from conftest import ROOT
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine run.sh starts the speedrun preset")
 def test_run_sh_trains_the_cpu_preset(tmp_path):
     checkout = tmp_path / "clone"  # a copy, as from a fresh clone: no FineWeb, no records
     shutil.copytree(ROOT, checkout, ignore=shutil.ignore_patterns(".git", "records", "__pycache__", "fineweb10B"))
