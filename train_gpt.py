@@ -786,6 +786,27 @@ def orthogonalize(G: torch.Tensor, method: str = "newton_schulz", backend: str =
 # the last step writes straight into the caller's layout.
 
 
+def _squeeze_interpreted_scalars() -> None:
+    """Triton 3.6's interpreter hands a scalar kernel argument over as a one-element array and
+    makes a loop bound of it with int(array), which numpy 2.4+ refuses ("only 0-dimensional
+    arrays can be converted to Python scalars"); Triton 3.9 squeezes the array first. Do the
+    same, so that the kernels' CPU tests also run on images with torch 2.11 and Triton 3.6.
+    Done at import, before any kernel runs: dynamo would trace it inside compiled code."""
+    from triton.runtime import interpreter
+    patch_tensor = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch_tensor is None:   # another interpreter layout: leave it as it is
+        return
+
+    def patch_tensor_squeezing(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+    interpreter._patch_lang_tensor = patch_tensor_squeezing
+
+
+if TRITON_INTERPRETING and triton is not None:
+    _squeeze_interpreted_scalars()
+
+
 def _square_tile_configs():
     # Symmetric kernels pair tile (i, j) with (j, i), so their tiles are square.
     if TRITON_INTERPRETING:  # the interpreter cannot benchmark: exactly one config
@@ -975,25 +996,6 @@ def _require_triton(*tensors: torch.Tensor) -> None:
             raise ValueError("backend 'triton' needs CUDA tensors (or TRITON_INTERPRET=1 on CPU)")
         if t.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise ValueError(f"backend 'triton' supports bf16, fp16 and fp32, got {t.dtype}")
-    if TRITON_INTERPRETING:
-        _squeeze_interpreted_scalars()
-
-
-@functools.cache
-def _squeeze_interpreted_scalars() -> None:
-    """Triton 3.6's interpreter hands a scalar kernel argument over as a one-element array and
-    makes a loop bound of it with int(array), which numpy 2.4+ refuses ("only 0-dimensional
-    arrays can be converted to Python scalars"); Triton 3.9 squeezes the array first. Do the
-    same, so that the kernels' CPU tests also run on images with torch 2.11 and Triton 3.6."""
-    from triton.runtime import interpreter
-    patch_tensor = getattr(interpreter, "_patch_lang_tensor", None)
-    if patch_tensor is None:   # another interpreter layout: leave it as it is
-        return
-
-    def patch_tensor_squeezing(tensor, scope):
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
-    interpreter._patch_lang_tensor = patch_tensor_squeezing
 
 
 def _as_stack(t: torch.Tensor) -> torch.Tensor:
