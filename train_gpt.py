@@ -2089,20 +2089,21 @@ def read_shard_tokens(path, vocab_size=GPT2_VOCAB_SIZE, max_tokens=None):
     return tokens
 
 
-def load_shard(path, vocab_size, max_tokens=None, pin_memory=False):
+def load_shard(path, max_tokens=None, pin_memory=False):
     """The shard's tokens as a uint16 tensor; they must be GPT-2 tokens, which the model's padded
-    vocab_size covers. Pinned memory lets batches go to the GPU without stalling the host."""
-    tokens = read_shard_tokens(path, min(vocab_size, GPT2_VOCAB_SIZE), max_tokens)
+    vocab_size covers (check_config). Pinned memory lets batches go to the GPU without stalling
+    the host."""
+    tokens = read_shard_tokens(path, GPT2_VOCAB_SIZE, max_tokens)
     out = torch.empty(tokens.size, dtype=torch.uint16, pin_memory=pin_memory)
     out.copy_(torch.from_numpy(tokens))
     return out
 
 
-def check_shard_tokens(paths, vocab_size):
+def check_shard_tokens(paths):
     """Every token of every shard a GPT-2 token (see load_shard): checked before training starts,
     so a bad shard late in the list cannot end a run hours in. Keeps nothing."""
     for path in paths:
-        read_shard_tokens(path, min(vocab_size, GPT2_VOCAB_SIZE))
+        read_shard_tokens(path, GPT2_VOCAB_SIZE)
 
 
 def find_shards(pattern, what):
@@ -2116,32 +2117,34 @@ def find_shards(pattern, what):
 
 
 class LoadedShard:
-    def __init__(self, path, vocab_size, pin_memory):
+    def __init__(self, path, pin_memory):
         self.path = path
-        self.tokens = load_shard(path, vocab_size, pin_memory=pin_memory)
+        self.tokens = load_shard(path, pin_memory=pin_memory)
         self.bos = torch.nonzero(self.tokens == BOS_TOKEN).flatten()
 
 
 class TrainBatches:
     """BOS-aligned training windows, a step's worth from one shard, dealt out to ranks in global order."""
 
-    def __init__(self, files, seq_len, rank, world_size, vocab_size, pin_memory=False, windows_per_step=1):
+    def __init__(self, files, seq_len, rank, world_size, pin_memory=False, windows_per_step=1, start=None):
+        """start: a state() to continue from (a checkpoint's loader), over the same files
+        (train() checked them with check_position)."""
         self.files, self.seq_len, self.rank, self.world_size = list(files), seq_len, rank, world_size
-        self.vocab_size, self.pin_memory = vocab_size, pin_memory
-        self.windows_per_step = windows_per_step
+        self.pin_memory, self.windows_per_step = pin_memory, windows_per_step
         self._pool = ThreadPoolExecutor(max_workers=1)
-        self._next_file = 0
+        start = start or dict(shard=0, cursor=0, windows_taken=0)
+        self._next_file = start["shard"]
         self._shard = self._load_next()  # synchronous: a bad first shard fails before training
         self._prefetch = self._submit_next()
-        self._cursor = 0                 # the next window starts at the first BOS at or after this
-        self.windows_taken = 0
+        self._cursor = start["cursor"]   # the next window starts at the first BOS at or after this
+        self.windows_taken = start["windows_taken"]
 
     def _load_next(self):
         if self._next_file >= len(self.files):
             return None
         path = self.files[self._next_file]
         self._next_file += 1
-        return LoadedShard(path, self.vocab_size, self.pin_memory)
+        return LoadedShard(path, self.pin_memory)
 
     def _submit_next(self):
         return self._pool.submit(self._load_next) if self._next_file < len(self.files) else None
@@ -2200,18 +2203,6 @@ class TrainBatches:
                             f"in name order, {here}: the files --train_files matches must be the run's, none "
                             "added, removed or renamed")
 
-    def restore(self, state):
-        """Continue from state() over the same files (train() checked them with check_position at
-        set-up); call it before the first batch."""
-        shard = state["shard"]
-        if self.files[shard] != self._shard.path:
-            if self._prefetch is not None:
-                self._prefetch.result()  # the background read must finish before the file index moves
-            self._next_file = shard
-            self._shard = self._load_next()
-            self._prefetch = self._submit_next()
-        self._cursor, self.windows_taken = state["cursor"], state["windows_taken"]
-
     def next_batch(self, device):
         """This rank's next (inputs, targets): it takes one window out of every world_size."""
         mine = None
@@ -2224,13 +2215,13 @@ class TrainBatches:
         return mine[:-1], mine[1:]
 
 
-def load_val_tokens(files, count, vocab_size, pin_memory=False):
+def load_val_tokens(files, count, pin_memory=False):
     """The first count+1 tokens of the validation shards (reading no more than that)."""
     parts, need = [], count + 1
     for f in files:
         if need == 0:
             break
-        parts.append(load_shard(f, vocab_size, max_tokens=need, pin_memory=pin_memory))
+        parts.append(load_shard(f, max_tokens=need, pin_memory=pin_memory))
         need -= parts[-1].numel()
     if need:
         held = count + 1 - need
@@ -2449,8 +2440,8 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
         if args.resume:  # main() checked it; a read that fails now fails on one rank alone
             checkpoint = read_checkpoint(args.resume, "resume", args)
         train_files, val_files, data_note = resolve_data_files(args)
-        val_tokens = load_val_tokens(val_files, args.val_tokens, args.vocab_size, pin)
-        check_shard_tokens(train_files, args.vocab_size)
+        val_tokens = load_val_tokens(val_files, args.val_tokens, pin)
+        check_shard_tokens(train_files)
         if checkpoint is not None and checkpoint["loader"] is not None:  # now, not after compiling
             TrainBatches.check_position(checkpoint["loader"], train_files)
         shortfall = data_shortfall(train_files, args)
@@ -2609,10 +2600,8 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
                     break
                 try:
                     if batches is None:  # reads and indexes the first shard, starts the prefetch thread
-                        batches = TrainBatches(train_files, args.train_seq_len, ranks.rank, ranks.world_size,
-                                               args.vocab_size, pin, windows_per_step=args.micro_batches)
-                        if resumed_loader is not None:
-                            batches.restore(resumed_loader)
+                        batches = TrainBatches(train_files, args.train_seq_len, ranks.rank, ranks.world_size, pin,
+                                               windows_per_step=args.micro_batches, start=resumed_loader)
                     step_losses.append(train_step(step, functools.partial(batches.next_batch, hw.device)))
                 except DataExhausted as e:
                     result.stopped_early = str(e)

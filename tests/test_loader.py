@@ -51,7 +51,7 @@ def test_windows_follow_the_records_rule_and_drop_shard_tails(make_shards, windo
     files = train_gpt.find_shards(train_glob, "training")
     seq_len = 256
     expected = reference_windows(trains, seq_len, windows_per_step)
-    loader = train_gpt.TrainBatches(files, seq_len, rank=0, world_size=1, vocab_size=50304,
+    loader = train_gpt.TrainBatches(files, seq_len, rank=0, world_size=1,
                                     windows_per_step=windows_per_step)
     got = drain(loader)
     loader.close()
@@ -76,8 +76,8 @@ def test_ranks_split_the_same_windows_without_overlap(make_shards, world_size):
     train_glob, _, (trains, _) = make_shards(train_sizes=(6_000, 6_000))
     files = train_gpt.find_shards(train_glob, "training")
     seq_len, per_step = 128, 2 * world_size
-    single = [x for x, _ in drain(train_gpt.TrainBatches(files, seq_len, 0, 1, 50304, windows_per_step=per_step))]
-    per_rank = [[x for x, _ in drain(train_gpt.TrainBatches(files, seq_len, r, world_size, 50304,
+    single = [x for x, _ in drain(train_gpt.TrainBatches(files, seq_len, 0, 1, windows_per_step=per_step))]
+    per_rank = [[x for x, _ in drain(train_gpt.TrainBatches(files, seq_len, r, world_size,
                                                              windows_per_step=per_step))]
                 for r in range(world_size)]
     steps = len(single) // world_size
@@ -92,7 +92,7 @@ def test_ranks_split_the_same_windows_without_overlap(make_shards, world_size):
 
 def test_running_out_of_data_says_what_to_do(make_shards):
     train_glob, _, _ = make_shards(train_sizes=(2_000,))
-    loader = train_gpt.TrainBatches(train_gpt.find_shards(train_glob, "training"), 256, 0, 1, 50304)
+    loader = train_gpt.TrainBatches(train_gpt.find_shards(train_glob, "training"), 256, 0, 1)
     with pytest.raises(train_gpt.DataExhausted) as err:
         for _ in range(100):
             loader.next_batch(torch.device("cpu"))
@@ -102,7 +102,7 @@ def test_running_out_of_data_says_what_to_do(make_shards):
 def test_validation_windows_cover_val_tokens_once(make_shards):
     _, val_glob, (_, val) = make_shards(val_size=5_000)
     files = train_gpt.find_shards(val_glob, "validation")
-    tokens = train_gpt.load_val_tokens(files, 4096, 50304)
+    tokens = train_gpt.load_val_tokens(files, 4096)
     assert tokens.dtype == torch.uint16 and tokens.tolist() == val[:4097].tolist()
     seen = []
     for rank in range(2):
@@ -115,7 +115,7 @@ def test_validation_windows_cover_val_tokens_once(make_shards):
 
 def test_validation_is_shared_by_uneven_ranks(make_shards):
     _, val_glob, _ = make_shards(val_size=3_000)
-    tokens = train_gpt.load_val_tokens(train_gpt.find_shards(val_glob, "validation"), 2560, 50304)
+    tokens = train_gpt.load_val_tokens(train_gpt.find_shards(val_glob, "validation"), 2560)
     per_rank = [list(train_gpt.val_batches(tokens, 512, r, 3, torch.device("cpu"))) for r in range(3)]
     assert [len(batches) for batches in per_rank] == [2, 2, 1]  # 5 windows over 3 ranks
     starts = sorted(int(torch.nonzero(torch.all(tokens[:2560].to(torch.int64).unfold(0, 512, 512) == x, dim=1))[0])
@@ -128,7 +128,7 @@ def test_trainer_reader_agrees_with_data_writer(tmp_path):
     path = tmp_path / "x.bin"
     write_shard(path, tokens)
     assert train_gpt.read_shard_header(str(path)) == len(tokens)
-    assert train_gpt.load_shard(str(path), vocab_size=50304).tolist() == tokens.tolist()
+    assert train_gpt.load_shard(str(path)).tolist() == tokens.tolist()
 
 
 @pytest.mark.parametrize("token", [50257, 50303, 60000])
@@ -139,9 +139,9 @@ def test_trainer_and_data_tools_share_one_token_rule(tmp_path, token):
     path = tmp_path / "pad.bin"
     write_shard(path, [BOS, 5, token, 3])
     expected = f"{path}: token {token} at index 2 is >= vocab size 50257"
-    for read in (lambda: train_gpt.load_shard(str(path), 50304),
-                 lambda: train_gpt.load_val_tokens([str(path)], 3, 50304),
-                 lambda: train_gpt.check_shard_tokens([str(path)], 50304),
+    for read in (lambda: train_gpt.load_shard(str(path)),
+                 lambda: train_gpt.load_val_tokens([str(path)], 3),
+                 lambda: train_gpt.check_shard_tokens([str(path)]),
                  lambda: shards.read_shard(path)):
         with pytest.raises(train_gpt.DataError) as err:
             read()
@@ -169,7 +169,7 @@ def test_bad_shards_fail_with_one_line_naming_the_file(tmp_path, how, needle):
     write_shard(path, np.arange(10))
     corrupt(path, how)
     with pytest.raises(train_gpt.DataError) as err:
-        train_gpt.load_shard(str(path), 50304)
+        train_gpt.load_shard(str(path))
     message = str(err.value)
     assert message.startswith(str(path)) and needle in message and "\n" not in message
 
@@ -178,7 +178,7 @@ def test_out_of_range_token_is_reported(tmp_path):
     path = tmp_path / "big.bin"
     write_shard(path, [BOS, 5, 60000, 3])
     with pytest.raises(train_gpt.DataError, match=r"big.bin: token 60000 at index 2 is >= vocab size 50257"):
-        train_gpt.load_shard(str(path), 50304)
+        train_gpt.load_shard(str(path))
 
 
 def test_missing_shards_name_the_pattern(tmp_path):
@@ -205,12 +205,40 @@ def test_next_shard_is_read_by_a_background_thread(make_shards, monkeypatch):
     readers = []
     original = train_gpt.LoadedShard.__init__
 
-    def recording_init(self, path, vocab_size, pin_memory):
+    def recording_init(self, path, pin_memory):
         readers.append((path, threading.current_thread() is threading.main_thread()))
-        original(self, path, vocab_size, pin_memory)
+        original(self, path, pin_memory)
     monkeypatch.setattr(train_gpt.LoadedShard, "__init__", recording_init)
-    loader = train_gpt.TrainBatches(train_gpt.find_shards(train_glob, "training"), 128, 0, 1, 50304)
+    loader = train_gpt.TrainBatches(train_gpt.find_shards(train_glob, "training"), 128, 0, 1)
     loader._prefetch.result()  # the second shard is loaded without anyone asking for it yet
     assert [main for _, main in readers] == [True, False]
     drain(loader)
     loader.close()
+
+
+def test_a_loader_started_from_a_state_continues_the_stream_reading_each_shard_once(make_shards, monkeypatch):
+    """Resuming: the loader opens at the checkpoint's shard (the earlier shards are not read) and
+    yields exactly what the uninterrupted loader yields from there."""
+    train_glob, _, _ = make_shards(train_sizes=(3_000, 3_000, 3_000))
+    files = train_gpt.find_shards(train_glob, "training")
+    whole = train_gpt.TrainBatches(files, 128, 0, 1, windows_per_step=2)
+    head = []
+    while whole.state()["shard"] == 0 or len(head) % 2:   # into the second shard, at a step's start
+        head.append(whole.next_batch(torch.device("cpu"))[0])
+    state = whole.state()
+    rest = [x for x, _ in drain(whole)]
+    whole.close()
+    read = []
+    original = train_gpt.LoadedShard.__init__
+
+    def recording_init(self, path, pin_memory):
+        read.append(os.path.basename(path))
+        original(self, path, pin_memory)
+    monkeypatch.setattr(train_gpt.LoadedShard, "__init__", recording_init)
+    resumed = train_gpt.TrainBatches(files, 128, 0, 1, windows_per_step=2, start=state)
+    resumed_rest = [x for x, _ in drain(resumed)]
+    resumed.close()
+    assert state["shard"] == 1 and state["file"] == os.path.basename(files[1]) and len(rest) > 4
+    assert read == [os.path.basename(f) for f in files[1:]]
+    assert len(resumed_rest) == len(rest) and all(torch.equal(a, b) for a, b in zip(resumed_rest, rest))
+    assert resumed.windows_taken == whole.windows_taken
