@@ -1605,7 +1605,7 @@ def adam_apply(param, grad, exp_avg, exp_avg_sq, lr, scale, beta1, beta2, eps):
 def lr_factor_at(step, args):
     """Constant, then a linear cooldown over the last cooldown_frac of training to final_lr_frac."""
     progress = step / args.num_iterations
-    if progress < 1 - args.cooldown_frac:
+    if progress < 1 - args.cooldown_frac or args.cooldown_frac == 0:
         return 1.0
     w = (1 - progress) / args.cooldown_frac
     return w + (1 - w) * args.final_lr_frac
@@ -2038,7 +2038,8 @@ class DataError(ValueError):
 
 
 class PeerDataError(DataError):
-    """Another rank failed while reading its data files before training; that rank reports it."""
+    """Another rank failed in set-up before training (its data files, its checkpoint, memory);
+    that rank reports it, this one ends quietly."""
 
 
 class DataExhausted(RuntimeError):
@@ -2360,6 +2361,7 @@ def log_header(log, args, ranks, hw, model, optimizer, data_note, data_files):
 class TrainResult:
     train_losses: list = field(default_factory=list)   # mean loss per token over the step's micro-batches and ranks
     val_losses: list = field(default_factory=list)     # (step, val_loss)
+    resumed_val_losses: list = field(default_factory=list)  # the checkpoint's, kept in the next ones
     steps_done: int = 0
     train_time_ms: float = 0.0
     stopped_early: str | None = None
@@ -2455,7 +2457,7 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
         if first_failed not in (ranks.rank, ranks.world_size):
             if isinstance(failure, Interrupted):  # a signal reaches every rank: each ends as signalled
                 raise failure
-            raise PeerDataError(f"rank {first_failed} cannot use its data files")
+            raise PeerDataError(f"rank {first_failed} failed in set-up")
         if failed and not all_failed and isinstance(failure, DataError):
             raise DataError(f"rank {ranks.rank}: {failure}") from None
     if failure is not None:
@@ -2497,7 +2499,7 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
             return f"interrupted at step {step}/{N} ({signal.Signals(signum).name})", 128 + signum
         bad = [i for i, loss in enumerate(losses) if not math.isfinite(loss)]
         if bad:
-            return (f"diverged at step {first_step + checked + bad[0] + 1}/{N}: train loss is {losses[bad[0]]} "
+            return (f"diverged at step {step - len(losses) + bad[0] + 1}/{N}: train loss is {losses[bad[0]]} "
                     f"(stopped at step {step})", EXIT_DIVERGED)
         if log_failed:
             return f"{log_failure or 'rank 0 cannot write the log'} at step {step}/{N}", EXIT_ERROR
@@ -2567,9 +2569,8 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
     resumed_loader = None
     if checkpoint is not None:
         step, training_time_ms = restore_checkpoint(checkpoint, args.resume, model, optimizer, ranks, hw, log)
-        resumed_loader = checkpoint["loader"]
+        resumed_loader, result.resumed_val_losses = checkpoint["loader"], checkpoint["val_losses"]
         checkpoint = None  # unmaps the file: its weights and optimizer state are copied in now
-    first_step = step  # step_losses[i] is the loss of step first_step + i + 1
     synchronize(hw)
     t0 = time.perf_counter()
     stop.deferred = True  # from here on a signal ends the run at the next check, on every rank
@@ -2714,7 +2715,7 @@ def save_checkpoint(path, step, train_time_ms, args, ranks, model, optimizer, ba
                  model={k: v.detach().cpu() for k, v in model.state_dict().items()}, optimizer=optimizer_state,
                  rng=dict(cpu=torch.get_rng_state(),
                           cuda=torch.cuda.get_rng_state(device) if device.type == "cuda" else None),
-                 loader=batches.state() if batches is not None else None, val_losses=list(result.val_losses))
+                 loader=batches.state() if batches is not None else None, val_losses=result.resumed_val_losses + result.val_losses)
     try:
         write_atomically(state, path)
     except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError from the OSError

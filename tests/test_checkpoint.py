@@ -84,6 +84,8 @@ def test_resume_continues_bit_for_bit_at_world_size_1(single):
     for x, y in zip(a["optimizer"]["tensors"], b["optimizer"]["tensors"], strict=True):
         assert torch.equal(x, y)
     assert a["loader"] == b["loader"] and a["loader"]["shard"] == 1  # the loader moved on to the second shard
+    # the validations before the resume are kept in the next checkpoint (--sample reports the last)
+    assert [step for step, _ in a["val_losses"]] == [0, N, 2 * N] and b["val_losses"] == a["val_losses"]
     # the clock goes on from where the first run stopped
     assert resumed.train_time_ms > load(single["step3"])["train_time_ms"] > 0
 

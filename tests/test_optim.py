@@ -1,6 +1,8 @@
 """Optimizer formulas on small tensors: Adam, the Muon update, NorMuon, cautious weight decay, the
 schedules; and a short training run with each orthogonalizer lowers the loss."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -69,6 +71,8 @@ def test_schedules():
     assert train_gpt.lr_factor_at(59, args) == 1.0
     assert train_gpt.lr_factor_at(80, args) == pytest.approx(0.5 + 0.5 * 0.1)
     assert train_gpt.lr_factor_at(100, args) == pytest.approx(0.1)
+    no_cooldown = dataclasses.replace(args, cooldown_frac=0.0)   # constant to the last step
+    assert [train_gpt.lr_factor_at(s, no_cooldown) for s in (0, 99, 100)] == [1.0, 1.0, 1.0]
     assert train_gpt.muon_momentum_at(0, args) == pytest.approx(0.85)
     assert train_gpt.muon_momentum_at(5, args) == pytest.approx(0.90)
     assert train_gpt.muon_momentum_at(50, args) == pytest.approx(0.95)
