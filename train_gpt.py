@@ -288,6 +288,20 @@ def parse_config(argv, environ, world_size=1, cuda_available=None):
     return args
 
 
+def named_as_set(message, argv, environ):
+    """A message that starts with --field, starting instead with FIELD where the environment set
+    that field (and the command line did not): the user looks for what they wrote."""
+    match = re.match(r"--(\w+)", message)
+    if not match:
+        return message
+    name = match.group(1)
+    on_command_line = any(token.startswith("--") and token[2:].partition("=")[0].replace("-", "_") == name
+                          for token in argv)
+    if on_command_line or name.upper() not in environ:
+        return message
+    return name.upper() + message[match.end():]
+
+
 def field_descriptions():
     """Each field's trailing comment in the Hyperparameters source: the one place it is written."""
     source = inspect.getsource(Hyperparameters)
@@ -428,9 +442,8 @@ def check_config(args, world_size, cuda_available):
     need(args.ns_backend != "triton" or triton is not None, "--ns_backend=triton: triton is not installed")
     need(args.ns_backend != "triton" or uses_cuda(args, cuda_available) or TRITON_INTERPRETING,
          "--ns_backend=triton: needs a CUDA device (or TRITON_INTERPRET=1 for tests)")
-    need(not args.prompt or args.sample,
-         "--prompt (or PROMPT): only --sample reads it (--sample CHECKPOINT --prompt TEXT)")
-    need(not (args.sample and args.resume), "--sample and --resume (or SAMPLE and RESUME): choose one")
+    need(not args.prompt or args.sample, "--prompt: only --sample reads it (--sample CHECKPOINT --prompt TEXT)")
+    need(not (args.sample and args.resume), "--sample and --resume: choose one")
     need(not args.checkpoint_every or args.save_checkpoint,
          f"--checkpoint_every={args.checkpoint_every}: needs --save_checkpoint true")
 
@@ -2896,7 +2909,7 @@ def main(argv=None, environ=None):
         # Every process of a machine reads the same options, environment and GPUs: its local rank
         # 0 speaks for all, so torchrun's console shows the line once per machine.
         if ranks is None or ranks.local_rank == 0:
-            print(f"train_gpt.py: error: {e}", file=sys.stderr)
+            print(f"train_gpt.py: error: {named_as_set(str(e), argv, environ)}", file=sys.stderr)
         return EXIT_CONFIG
     except HelpRequested as e:
         print(e)

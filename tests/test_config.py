@@ -97,7 +97,7 @@ def test_script_exit_status_and_single_line(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "train_gpt.py"), "--preset", "cpu"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
-    assert proc.stderr.strip() == "train_gpt.py: error: --num_iterations=-4: must be positive"
+    assert proc.stderr.strip() == "train_gpt.py: error: NUM_ITERATIONS=-4: must be positive"  # as set
     assert list(tmp_path.iterdir()) == []
 
 
@@ -145,6 +145,23 @@ def test_malformed_torchrun_variables(capsys, environ, needle):
     assert train_gpt.main([], environ) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and needle in err[0]
+
+
+@pytest.mark.parametrize("argv, environ, expected", [
+    ([], {"SAMPLE": "nowhere.pt"}, "SAMPLE='nowhere.pt': no such file"),
+    (["--sample", "nowhere.pt"], {"SAMPLE": "other.pt"}, "--sample='nowhere.pt': no such file"),
+    ([], {"PROMPT": "Hi"}, "PROMPT: only --sample reads it"),
+    ([], {"SAMPLE": "a.pt", "RESUME": "b.pt"}, "SAMPLE and --resume: choose one"),
+    (["--check-every=0"], {"CHECK_EVERY": "5"}, "--check_every=0: "),
+    ([], {"CHECK_EVERY": "0"}, "CHECK_EVERY=0: "),
+])
+def test_errors_name_a_field_as_it_was_set(tmp_path, capsys, argv, environ, expected):
+    """A field the environment set is named as it is there (a stray SAMPLE in the shell must not
+    blame a --sample the user never passed); one the command line set, as it is there."""
+    assert train_gpt.main([*argv, f"--log_dir={tmp_path}"], environ) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"train_gpt.py: error: {expected}"), err
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_unwritable_log_dir_is_rejected_before_any_work(tmp_path, capsys):
