@@ -2675,8 +2675,10 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
 
 CHECKPOINT_FORMAT = 1
 # Fields that choose where, how fast or with what logging training runs, not what it computes (device and
-# ns_backend change rounding only): a run may resume with other values of these.
+# ns_backend change rounding only): a run may resume with other values of these. The data may move
+# to another folder: the loader's shard is checked by name (TrainBatches.check_position).
 RESUME_FREE_FIELDS = {"run_name", "log_dir", "target_val_loss", "val_every", "warmup_steps", "device", "threads",
+                      "train_files", "val_files",
                       "compile", "compile_scope", "overlap_comms", "ns_backend", "dist_timeout_s", "check_every", "save_checkpoint",
                       "checkpoint_every", "resume", "sample", "prompt", "max_new_tokens", "temperature", "top_k"}
 # tiktoken's sha256 of GPT-2's BPE files (vocab.bpe, encoder.json).

@@ -211,6 +211,19 @@ def test_a_resume_over_other_training_files_ends_in_one_line_naming_them(single,
         train_gpt.TrainBatches.check_position(dict(shard=1, file="c_train_000002.bin"), [added])
 
 
+def test_a_resume_reads_the_data_where_it_moved(single, data, tmp_path):
+    """The shards copied to another folder (a node's local disk): the run resumes from there and
+    continues exactly."""
+    moved = tmp_path / "moved"
+    shutil.copytree(os.path.dirname(data["train_files"]), moved)
+    argv = [a for a in single["argv"] if not a.startswith(("--train_files=", "--val_files=", "--log_dir="))]
+    resumed, _, text = run(argv + [f"--train_files={moved / 'c_train_*.bin'}", f"--val_files={moved / 'c_val_*.bin'}",
+                                   f"--resume={single['step3']}", f"--log_dir={tmp_path / 'logs'}"])
+    assert resumed.train_losses == single["full"].train_losses[N:]
+    shards = ",".join(str(moved / f"c_train_00000{i}.bin") for i in (1, 2))
+    assert f"\ntrain_files={shards}\n" in text   # the log header names the files read
+
+
 def test_a_finished_run_is_not_resumed(single, tmp_path, capsys):
     logs = tmp_path / "logs"
     assert train_gpt.main(single["argv"] + [f"--resume={single['final']}", f"--log_dir={logs}"], {}) == 2
