@@ -64,9 +64,10 @@ BOS_TOKEN = 50256  # GPT-2's <|endoftext|>; every document in a shard starts wit
 # 1. Configuration
 #
 # One dataclass holds every knob. Its defaults are the 8xH100 speedrun: the public record of
-# 2025-08-23 ("SparseAttnGate", 1695 steps, val loss 3.2787 over 14 runs), reproduced exactly;
-# our own ideas (other orthogonalizers, NorMuon, cautious weight decay, Moonlight's update scale)
-# are flags that are off.
+# 2025-08-23 ("SparseAttnGate", 1695 steps, val loss 3.2787 over 14 runs): its model, data order,
+# schedules and optimizer formulas (README's table lists where its code differs, and why). Our own
+# ideas (other orthogonalizers, NorMuon, cautious weight decay, Moonlight's update scale) are flags
+# that are off.
 # The `cpu` preset shrinks the model and data so a laptop finishes in minutes. Precedence:
 # preset < environment (upper-case field name, e.g. NUM_ITERATIONS=100) < command line
 # (--num_iterations 100). Every value is checked before any process group, file or tensor is
@@ -382,7 +383,9 @@ def check_config(args, world_size, cuda_available):
             need(math.isfinite(getattr(args, f.name)), f"--{f.name}={getattr(args, f.name)}: must be a finite number")
     positive = ["val_tokens", "train_seq_len", "val_seq_len", "micro_batches", "vocab_size", "num_layers",
                 "model_dim", "num_heads", "head_dim", "mlp_ratio", "attn_block_size", "num_iterations",
-                "window_growth_tokens", "muon_bucket_matrices", "dist_timeout_s", "check_every"]
+                "window_growth_tokens", "muon_bucket_matrices", "dist_timeout_s", "check_every", "adam_lr", "muon_lr",
+                "embed_lr_mult", "head_lr_mult", "scalar_lr_mult", "matrix_lr_mult", "attn_scale", "logit_softcap",
+                "rotary_base", "adam_shard_min_numel"]
     for name in positive:
         need(getattr(args, name) > 0, f"--{name}={getattr(args, name)}: must be positive")
     for name in ["val_every", "warmup_steps", "threads", "num_value_embeds", "muon_momentum_warmup_steps",
@@ -394,9 +397,6 @@ def check_config(args, world_size, cuda_available):
     for name in ["adam_beta1", "adam_beta2", "muon_momentum_start", "muon_momentum_end", "normuon_beta2"]:
         value = getattr(args, name)
         need(0.0 <= value < 1.0, f"--{name}={value}: must lie in [0, 1)")
-    for name in ["adam_lr", "muon_lr", "embed_lr_mult", "head_lr_mult", "scalar_lr_mult", "matrix_lr_mult",
-                 "attn_scale", "logit_softcap", "rotary_base", "adam_shard_min_numel"]:
-        need(getattr(args, name) > 0, f"--{name}={getattr(args, name)}: must be positive")
 
     need(all(c.isalnum() or c in "._-" for c in args.run_name) and args.run_name not in ("", ".", ".."),
          f"--run_name={args.run_name!r}: use letters, digits, '.', '_' and '-' only")
@@ -452,8 +452,8 @@ def check_config(args, world_size, cuda_available):
 # 2. Hardware and ranks
 #
 # CPU and GPU run the same code except for what Hardware holds: the compute dtype, the attention
-# kernel, the FP8 head, the orthogonalization backend and the process-group backend (elsewhere a
-# branch on hw.device.type: peak memory, pinned memory, synchronization). Ranks come from
+# kernel, the FP8 head, the orthogonalization backend and the process-group backend (elsewhere
+# small branches on hw.device.type: threads, peak memory, pinned memory, RNG state, synchronization). Ranks come from
 # torchrun's environment; without torchrun the script is a single process and creates no process
 # group.
 
@@ -1945,7 +1945,6 @@ class GPT(nn.Module):
         # The blocks share one compiled function with a graph per variant (attention or not, value
         # embedding or not, long or short window, block 0 where x is x0, training or validation):
         # about 12 for the speedrun, more than dynamo's default of 8 before it falls back to eager.
-        import torch._dynamo
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         for block in self.blocks:
             block.compile(dynamic=False, backend=backend)
@@ -2730,7 +2729,8 @@ def save_checkpoint(path, step, train_time_ms, args, ranks, model, optimizer, ba
                  model={k: v.detach().cpu() for k, v in model.state_dict().items()}, optimizer=optimizer_state,
                  rng=dict(cpu=torch.get_rng_state(),
                           cuda=torch.cuda.get_rng_state(device) if device.type == "cuda" else None),
-                 loader=batches.state() if batches is not None else None, val_losses=result.resumed_val_losses + result.val_losses)
+                 loader=batches.state() if batches is not None else None,
+                 val_losses=result.resumed_val_losses + result.val_losses)
     try:
         write_atomically(state, path)
     except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError from the OSError
