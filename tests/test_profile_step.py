@@ -27,8 +27,10 @@ def test_profiles_the_asked_steps_of_a_cpu_run(tmp_path):
     out = tmp_path / "prof"
     stdout, table = profile(out, "--steps", "1:2", "--", "--preset", "cpu", "--num_iterations", "3",
                             "--num_layers", "2", "--window_pattern", "LL", "--attention_free_layers", "",
-                            "--num_value_embeds", "1", "--log_dir", str(tmp_path / "logs"))
+                            "--num_value_embeds", "1")
     assert "steps 2..2 written" in stdout
+    # the short run's log lies beside the profile, not among the runs in records/
+    assert len(list((out / "logs").glob("*_dev/*.txt"))) == 1 and str(out / "logs") in stdout
     assert "aten::mm" in table and "# of Calls" in table
     trace = json.load(gzip.open(out / "trace.json.gz"))
     assert any(e.get("name") == "aten::mm" for e in trace["traceEvents"])
