@@ -2914,7 +2914,10 @@ def main(argv=None, environ=None):
             print(f"train_gpt.py: error: {named_as_set(str(e), argv, environ)}", file=sys.stderr)
         return EXIT_CONFIG
     except HelpRequested as e:
-        print(e)
+        try:
+            print(e, flush=True)
+        except BrokenPipeError:  # `--help | head`: the reader has gone, and nothing is wrong
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor at exit's flush
         return 0
     if hw.device.type == "cpu":
         torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // ranks.local_world_size))

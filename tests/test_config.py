@@ -138,6 +138,13 @@ def test_script_help_exits_0(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stderr == ""
     assert "  --num_iterations=120 " in proc.stdout and list(tmp_path.iterdir()) == []
+    # `--help | head -1`: the reader is gone before the help is written; no traceback
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    gone = subprocess.run([sys.executable, str(ROOT / "train_gpt.py"), "--preset", "cpu", "--help"], cwd=tmp_path,
+                          stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=120)
+    os.close(write_end)
+    assert gone.returncode == 0 and gone.stderr == ""
 
 
 @pytest.mark.parametrize("environ, needle", [({"RANK": "x"}, "RANK='x'"), ({"WORLD_SIZE": "0"}, "WORLD_SIZE='0'")])
