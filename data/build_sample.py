@@ -246,18 +246,21 @@ def build_sample(out_dir=SAMPLE_DIR, limit=None, workers=None, overwrite=False, 
     present = [p for p in targets if p.exists()]
     if present and not overwrite:
         raise BuildError(f"{present[0]} already exists; pass --overwrite to replace the sample, or use --out")
-    encoding = get_gpt2_encoding()
-    sources = collect_sources(limit, workers or os.cpu_count() or 1)
-    total_chars = sum(len(d) for _, docs in sources for d in docs)
-    val_docs, train_docs = split_sources(sources, min(VAL_TARGET_CHARS, total_chars // 4))
-    if not val_docs or not train_docs:
-        raise BuildError(f"too little text for a val and a train shard ({len(sources)} sources); raise --limit")
-    log(f"{len(sources)} sources, {len(val_docs)} val and {len(train_docs)} train documents, {total_chars:,} chars")
-
-    scratch = out_dir / ".build"
+    scratch = out_dir / ".build"   # made first: an --out that cannot be written fails before the build
     shutil.rmtree(scratch, ignore_errors=True)
-    scratch.mkdir(parents=True)
     try:
+        scratch.mkdir(parents=True)
+    except OSError as e:
+        raise BuildError(f"--out {out_dir}: cannot create a folder there ({e.strerror or e})") from None
+    try:
+        encoding = get_gpt2_encoding()
+        sources = collect_sources(limit, workers or os.cpu_count() or 1)
+        total_chars = sum(len(d) for _, docs in sources for d in docs)
+        val_docs, train_docs = split_sources(sources, min(VAL_TARGET_CHARS, total_chars // 4))
+        if not val_docs or not train_docs:
+            raise BuildError(f"too little text for a val and a train shard ({len(sources)} sources); raise --limit")
+        log(f"{len(sources)} sources, {len(val_docs)} val and {len(train_docs)} train documents, "
+            f"{total_chars:,} chars")
         shard_limit = MAX_SAMPLE_BYTES // 2  # tokens: everything of a split goes in one shard
         shards = []
         for first_index, docs in ((0, val_docs), (1, train_docs)):

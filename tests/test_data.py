@@ -445,3 +445,13 @@ def test_sample_builder_is_deterministic(tmp_path, gpt2):
         build_sample.build_sample(tmp_path / "a", limit=25, log=lambda _: None)
     build_sample.build_sample(tmp_path / "a", limit=25, overwrite=True, log=lambda _: None)
     assert sorted(p.name for p in (tmp_path / "a").iterdir()) == files  # no scratch dir left
+
+
+def test_sample_builder_refuses_an_unwritable_out_before_building(tmp_path, monkeypatch, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    monkeypatch.setattr(build_sample, "collect_sources", lambda *a: pytest.fail("built before checking --out"))
+    with pytest.raises(SystemExit) as exit_:
+        build_sample.main(["--out", str(blocker), "--limit", "2"])
+    assert exit_.value.code == 1
+    assert capsys.readouterr().err == f"error: --out {blocker}: cannot create a folder there (Not a directory)\n"
