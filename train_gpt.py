@@ -283,9 +283,14 @@ def parse_config(argv, environ, world_size=1, cuda_available=None):
         elif name.upper() in environ:
             values[name] = _parse_value(name.upper(), environ[name.upper()], kind)
     args = Hyperparameters(**values)
+    try:
+        check_config(args, world_size, cuda_available)
+    except ConfigError as e:
+        if not help_requested:
+            raise
+        raise HelpRequested(f"{config_help(args, cuda_available)}\nThese values are refused: {e}") from None
     if help_requested:  # after the overrides, so the help shows the values this run would use
         raise HelpRequested(config_help(args, cuda_available))
-    check_config(args, world_size, cuda_available)
     return args
 
 

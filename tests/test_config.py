@@ -125,6 +125,13 @@ def test_help_shows_the_active_values_descriptions_and_choices():
     assert "(--preset, default speedrun on this machine)" in speedrun[1]
 
 
+def test_help_with_values_that_are_refused_says_so_last():
+    lines = help_text(["--help", "--preset", "cpu", "--train_seq_len", "1000"])
+    assert "  --train_seq_len=1000 " in "\n".join(lines)
+    assert lines[-1] == "These values are refused: --train_seq_len=1000: must be a multiple of attn_block_size=64"
+    assert not any(line.startswith("These values") for line in help_text(["--help", "--preset", "cpu"]))
+
+
 def test_help_says_when_the_cpu_preset_reads_the_embedded_sample(monkeypatch):
     monkeypatch.setattr(train_gpt, "REPO_DIR", "/nonexistent")  # no FineWeb there
     note = "No FineWeb shards in /nonexistent/data/fineweb10B: this run reads the embedded sample, "
