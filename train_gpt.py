@@ -246,12 +246,9 @@ def _parse_value(option, text, kind):
         raise ConfigError(f"{option}={text!r}: expected {kind.__name__}") from None
 
 
-def parse_config(argv, environ, world_size=1, cuda_available=None):
-    """Build the configuration from the preset, the environment and the command line, then check it."""
-    if cuda_available is None:
-        cuda_available = torch.cuda.is_available()
-    kinds = {f.name: f.type for f in dataclasses.fields(Hyperparameters)}
-
+def command_line_options(argv):
+    """{field: value text} of the options on the command line, and whether --help is among them."""
+    kinds = {f.name for f in dataclasses.fields(Hyperparameters)}
     cli = {}
     help_requested = False
     it = iter(argv)
@@ -272,40 +269,49 @@ def parse_config(argv, environ, world_size=1, cuda_available=None):
             if value is None:
                 raise ConfigError(f"--{name}: missing value")
         cli[name] = value
+    return cli, help_requested
 
+
+def parse_config(argv, environ, world_size=1, cuda_available=None):
+    """Build the configuration from the preset, the environment and the command line, then check it."""
+    if cuda_available is None:
+        cuda_available = torch.cuda.is_available()
+    cli, help_requested = command_line_options(argv)
     preset = cli.get("preset", environ.get("PRESET", "speedrun" if cuda_available else "cpu"))
     if preset not in PRESETS:
         raise ConfigError(f"--preset={preset!r}: expected one of {', '.join(PRESETS)}")
     values = dict(PRESETS[preset], preset=preset)
-    for name, kind in kinds.items():
-        if name in cli:
-            values[name] = _parse_value(f"--{name}", cli[name], kind)
-        elif name.upper() in environ:
-            values[name] = _parse_value(name.upper(), environ[name.upper()], kind)
+    for f in dataclasses.fields(Hyperparameters):
+        if f.name in cli:
+            values[f.name] = _parse_value(f"--{f.name}", cli[f.name], f.type)
+        elif f.name.upper() in environ:
+            values[f.name] = _parse_value(f.name.upper(), environ[f.name.upper()], f.type)
     args = Hyperparameters(**values)
     try:
         check_config(args, world_size, cuda_available)
     except ConfigError as e:
         if not help_requested:
             raise
-        raise HelpRequested(f"{config_help(args, cuda_available)}\nThese values are refused: {e}") from None
+        refusal = named_as_set(str(e), argv, environ)
+        raise HelpRequested(f"{config_help(args, cuda_available)}\nThese values are refused: {refusal}") from None
     if help_requested:  # after the overrides, so the help shows the values this run would use
         raise HelpRequested(config_help(args, cuda_available))
     return args
 
 
 def named_as_set(message, argv, environ):
-    """A message that starts with --field, starting instead with FIELD where the environment set
-    that field (and the command line did not): the user looks for what they wrote."""
-    match = re.match(r"--(\w+)", message)
-    if not match:
-        return message
-    name = match.group(1)
-    on_command_line = any(token.startswith("--") and token[2:].partition("=")[0].replace("-", "_") == name
-                          for token in argv)
-    if on_command_line or name.upper() not in environ:
-        return message
-    return name.upper() + message[match.end():]
+    """The message with each --field of its subject (before its first ": ") written FIELD where the
+    environment set that field and the command line did not: the user looks for what they wrote."""
+    try:
+        on_command_line = command_line_options(argv)[0]
+    except ConfigError:
+        on_command_line = {}
+    subject, sep, rest = message.partition(": ")
+
+    def as_set(match):
+        name = match.group(1)
+        return name.upper() if name not in on_command_line and name.upper() in environ else match.group(0)
+    return re.sub(r"(?<![^ ])--(\w+)", as_set, subject) + sep + rest
 
 
 def field_descriptions():
@@ -2935,7 +2941,7 @@ def main(argv=None, environ=None):
         result = train(args, ranks, hw, log, stop=stop)
     except (DataError, RankMismatch, CheckpointError, ConfigError) as e:
         if not isinstance(e, PeerDataError):
-            print(f"train_gpt.py: error: {e}", file=sys.stderr)
+            print(f"train_gpt.py: error: {named_as_set(str(e), argv, environ)}", file=sys.stderr)
         return EXIT_ERROR
     except Interrupted:  # before the training loop: nothing trained yet
         if log.started or ranks.local_rank == 0:  # one report per machine, as for a bad option

@@ -2,7 +2,7 @@
 
 Runs the trainer in this process with the trainer options given after `--`, starts the profiler
 after optimizer step A and stops it after step B (`--steps A:B`, so steps A+1..B are recorded),
-and writes to --out (the trainer's log too, in --out/logs, unless its options set --log_dir):
+and writes to --out (the trainer's log too, in --out/logs, unless its options or LOG_DIR set log_dir):
 - kernels.txt: operators and kernels sorted by device time (CUDA) or CPU time, with call counts;
 - categories.txt: device (or CPU) time per step grouped into GEMMs, FlexAttention, inductor
   kernels, ATen element-wise kernels, and the rest, the span per step, and the time the GPU sat
@@ -197,9 +197,9 @@ def main(argv=None):
     if not opts.script:  # the trainer's own steps: a window past its last step would profile nothing
         # Its log goes beside the profile unless told otherwise: a short profiled run in records/
         # would stand beside real runs there and split records/compare.py's step counts.
-        sets_log_dir = any(a.partition("=")[0].replace("-", "_") == "__log_dir" for a in trainer)
-        if not sets_log_dir and "LOG_DIR" not in os.environ:
-            trainer = [*trainer, "--log_dir", os.path.join(opts.out, "logs")]
+        # First, as one token: the trainer keeps an option's last value, so the user's still wins.
+        if "LOG_DIR" not in os.environ:
+            trainer = [f"--log_dir={os.path.join(opts.out, 'logs')}", *trainer]
         try:
             args = train_gpt.parse_config(trainer, os.environ, train_gpt.Ranks.from_env(os.environ).world_size)
         except train_gpt.ConfigError as e:

@@ -16,7 +16,7 @@ for path in (ROOT, ROOT / "data", ROOT / "records"):
 # interpreter, which must be chosen before any kernel is defined, i.e. before train_gpt is
 # imported. The GPU paths (compiled kernels in bf16, FlexAttention, FP8, compile) are checked
 # by bench/gpu_proof.py. Subprocesses (train_gpt.py, run.sh) inherit both.
-os.environ["CUDA_VISIBLE_DEVICES"] = ""
+os.environ["CUDA_VISIBLE_DEVICES"] = os.environ["HIP_VISIBLE_DEVICES"] = ""   # NVIDIA, AMD
 os.environ["TRITON_INTERPRET"] = "1"
 
 import numpy as np  # noqa: E402

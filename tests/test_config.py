@@ -130,6 +130,8 @@ def test_help_with_values_that_are_refused_says_so_last():
     assert "  --train_seq_len=1000 " in "\n".join(lines)
     assert lines[-1] == "These values are refused: --train_seq_len=1000: must be a multiple of attn_block_size=64"
     assert not any(line.startswith("These values") for line in help_text(["--help", "--preset", "cpu"]))
+    from_environment = help_text(["--help", "--preset", "cpu"], {"NUM_ITERATIONS": "-4"})
+    assert from_environment[-1] == "These values are refused: NUM_ITERATIONS=-4: must be positive"
 
 
 def test_help_says_when_the_cpu_preset_reads_the_embedded_sample(monkeypatch):
@@ -165,7 +167,9 @@ def test_malformed_torchrun_variables(capsys, environ, needle):
     ([], {"SAMPLE": "nowhere.pt"}, "SAMPLE='nowhere.pt': no such file"),
     (["--sample", "nowhere.pt"], {"SAMPLE": "other.pt"}, "--sample='nowhere.pt': no such file"),
     ([], {"PROMPT": "Hi"}, "PROMPT: only --sample reads it"),
-    ([], {"SAMPLE": "a.pt", "RESUME": "b.pt"}, "SAMPLE and --resume: choose one"),
+    ([], {"SAMPLE": "a.pt", "RESUME": "b.pt"}, "SAMPLE and RESUME: choose one"),
+    (["--resume=b.pt"], {"SAMPLE": "a.pt"}, "SAMPLE and --resume: choose one"),
+    (["--prompt", "--sample"], {"SAMPLE": "a.pt"}, "SAMPLE='a.pt': no such file"),  # '--sample' is the prompt
     (["--check-every=0"], {"CHECK_EVERY": "5"}, "--check_every=0: "),
     ([], {"CHECK_EVERY": "0"}, "CHECK_EVERY=0: "),
 ])

@@ -95,9 +95,11 @@ def test_the_suite_runs_on_the_cpu_on_every_machine():
     """conftest hides the GPUs and chooses Triton's interpreter, for the tests and the processes
     they start, so that the suite gives the same results on a GPU machine as in CI."""
     assert not torch.cuda.is_available() and train_gpt.TRITON_INTERPRETING
-    probe = "import os, torch; print(torch.cuda.device_count(), os.environ.get('TRITON_INTERPRET'))"
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == os.environ["HIP_VISIBLE_DEVICES"] == ""
+    probe = ("import os, torch; print(torch.cuda.device_count(), os.environ['TRITON_INTERPRET'], "
+             "repr(os.environ['CUDA_VISIBLE_DEVICES']))")
     child = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
-    assert child.stdout.split() == ["0", "1"]
+    assert child.stdout.split() == ["0", "1", "''"]
 
 
 # --- run.sh on CPU: several processes, several machines ----------------------------------------
