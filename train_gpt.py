@@ -2214,18 +2214,23 @@ class TrainBatches:
     def state(self):
         """The stream position (the same on every rank and for every world size), for checkpoints."""
         return dict(shard=self.files.index(self._shard.path), file=os.path.basename(self._shard.path),
-                    cursor=self._cursor, windows_taken=self.windows_taken)
+                    tokens=self._shard.tokens.numel(), cursor=self._cursor, windows_taken=self.windows_taken)
 
     @staticmethod
     def check_position(state, files):
-        """A checkpoint's state() must name the file at its index among these training files: the run's
-        glob may match other files since (a shard added, removed or renamed)."""
+        """A checkpoint's state() must name the file at its index among these training files, of the
+        same length: the run's glob may match other files since (a shard added, removed or renamed),
+        or the data may have moved and be another dataset with the same names."""
         shard = state["shard"]
         if shard >= len(files) or os.path.basename(files[shard]) != state["file"]:
             here = f"which here is {files[shard]}" if shard < len(files) else f"but here there are {len(files)}"
             raise DataError(f"{state['file']}: the checkpoint's loader was in this shard, training file {shard + 1} "
                             f"in name order, {here}: the files --train_files matches must be the run's, none "
                             "added, removed or renamed")
+        tokens = read_shard_header(files[shard])
+        if state.get("tokens", tokens) != tokens:   # (checkpoints from before this check lack the count)
+            raise DataError(f"{files[shard]}: holds {tokens:,} tokens, but the checkpoint's shard of this name held "
+                            f"{state['tokens']:,}: not the data the run was trained on")
 
     def next_batch(self, device):
         """This rank's next (inputs, targets): it takes one window out of every world_size."""
@@ -2393,6 +2398,12 @@ class TrainResult:
     exit_code: int = 0
     crashed: bool = False        # an exception ended the training loop (the other ranks may be gone)
     traceback_logged: bool = False  # ... and its traceback is in the log (all but a DataError's)
+
+    def all_val_losses(self):
+        """The resumed checkpoint's validations, then this run's; one per step (a resumed run may
+        validate its first step again: this run's value then)."""
+        here = dict(self.val_losses)
+        return [v for v in self.resumed_val_losses if v[0] not in here] + self.val_losses
 
 
 # Exit codes of main(); an interrupted run exits with 128 + the signal's number (130 SIGINT, 143 SIGTERM).
@@ -2741,7 +2752,7 @@ def save_checkpoint(path, step, train_time_ms, args, ranks, model, optimizer, ba
                  rng=dict(cpu=torch.get_rng_state(),
                           cuda=torch.cuda.get_rng_state(device) if device.type == "cuda" else None),
                  loader=batches.state() if batches is not None else None,
-                 val_losses=result.resumed_val_losses + result.val_losses)
+                 val_losses=result.all_val_losses())
     try:
         write_atomically(state, path)
     except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError from the OSError

@@ -248,10 +248,12 @@ def build_sample(out_dir=SAMPLE_DIR, limit=None, workers=None, overwrite=False, 
         raise BuildError(f"{present[0]} already exists; pass --overwrite to replace the sample, or use --out")
     scratch = out_dir / ".build"   # made first: an --out that cannot be written fails before the build
     shutil.rmtree(scratch, ignore_errors=True)
+    made = [d for d in (out_dir, *out_dir.parents) if not d.exists()]  # deepest first
     try:
         scratch.mkdir(parents=True)
     except OSError as e:
         raise BuildError(f"--out {out_dir}: cannot create a folder there ({e.strerror or e})") from None
+    manifest = None
     try:
         encoding = get_gpt2_encoding()
         sources = collect_sources(limit, workers or os.cpu_count() or 1)
@@ -279,6 +281,12 @@ def build_sample(out_dir=SAMPLE_DIR, limit=None, workers=None, overwrite=False, 
         os.replace(scratch / MANIFEST, out_dir / MANIFEST)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+        if manifest is None:  # failed (an error, Ctrl-C): the folders this build made go too
+            for folder in made:
+                try:
+                    folder.rmdir()
+                except OSError:  # something else put a file there meanwhile: keep it
+                    break
     return manifest
 
 

@@ -224,6 +224,26 @@ def test_a_resume_reads_the_data_where_it_moved(single, data, tmp_path):
     assert f"\ntrain_files={shards}\n" in text   # the log header names the files read
 
 
+def test_a_resume_over_another_dataset_with_the_same_names_is_refused(single, data, tmp_path, capsys):
+    moved = tmp_path / "moved"
+    shutil.copytree(os.path.dirname(data["train_files"]), moved)
+    state = load(single["step3"])["loader"]
+    write_shard(moved / state["file"], synthetic_documents(np.random.default_rng(9), state["tokens"] + 10))
+    argv = [a for a in single["argv"] if not a.startswith(("--train_files=", "--val_files="))]
+    logs = tmp_path / "logs"
+    code = train_gpt.main(argv + [f"--train_files={moved / 'c_train_*.bin'}", f"--val_files={moved / 'c_val_*.bin'}",
+                                  f"--resume={single['step3']}", f"--log_dir={logs}"], {})
+    assert code == train_gpt.EXIT_ERROR and capsys.readouterr().err == (
+        f"train_gpt.py: error: {moved / state['file']}: holds {state['tokens'] + 10:,} tokens, but the checkpoint's "
+        f"shard of this name held {state['tokens']:,}: not the data the run was trained on\n")
+    assert not logs.exists()
+
+
+def test_validations_kept_across_a_resume_are_one_per_step():
+    result = train_gpt.TrainResult(val_losses=[(6, 4.0), (9, 3.5)], resumed_val_losses=[(0, 10.8), (3, 6.0), (6, 4.1)])
+    assert result.all_val_losses() == [(0, 10.8), (3, 6.0), (6, 4.0), (9, 3.5)]
+
+
 def test_a_finished_run_is_not_resumed(single, tmp_path, capsys):
     logs = tmp_path / "logs"
     assert train_gpt.main(single["argv"] + [f"--resume={single['final']}", f"--log_dir={logs}"], {}) == 2

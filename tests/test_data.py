@@ -455,3 +455,8 @@ def test_sample_builder_refuses_an_unwritable_out_before_building(tmp_path, monk
         build_sample.main(["--out", str(blocker), "--limit", "2"])
     assert exit_.value.code == 1
     assert capsys.readouterr().err == f"error: --out {blocker}: cannot create a folder there (Not a directory)\n"
+    # a build that fails later leaves none of the folders it made
+    monkeypatch.setattr(build_sample, "collect_sources", lambda *a: [])
+    with pytest.raises(SystemExit):
+        build_sample.main(["--out", str(tmp_path / "new" / "sample"), "--limit", "2"])
+    assert "too little text" in capsys.readouterr().err and sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
