@@ -281,11 +281,13 @@ def parse_config(argv, environ, world_size=1, cuda_available=None):
     if preset not in PRESETS:
         raise ConfigError(f"--preset={preset!r}: expected one of {', '.join(PRESETS)}")
     values = dict(PRESETS[preset], preset=preset)
+    from_environment = set()
     for f in dataclasses.fields(Hyperparameters):
         if f.name in cli:
             values[f.name] = _parse_value(f"--{f.name}", cli[f.name], f.type)
         elif f.name.upper() in environ:
             values[f.name] = _parse_value(f.name.upper(), environ[f.name.upper()], f.type)
+            from_environment.add(f.name)
     args = Hyperparameters(**values)
     try:
         check_config(args, world_size, cuda_available)
@@ -293,9 +295,10 @@ def parse_config(argv, environ, world_size=1, cuda_available=None):
         if not help_requested:
             raise
         refusal = named_as_set(str(e), argv, environ)
-        raise HelpRequested(f"{config_help(args, cuda_available)}\nThese values are refused: {refusal}") from None
+        raise HelpRequested(f"{config_help(args, cuda_available, from_environment)}\n"
+                            f"These values are refused: {refusal}") from None
     if help_requested:  # after the overrides, so the help shows the values this run would use
-        raise HelpRequested(config_help(args, cuda_available))
+        raise HelpRequested(config_help(args, cuda_available, from_environment))
     return args
 
 
@@ -327,7 +330,7 @@ def field_descriptions():
     return descriptions
 
 
-def config_help(args, cuda_available):
+def config_help(args, cuda_available, from_environment=()):
     descriptions = field_descriptions()
     lines = ["usage: train_gpt.py [--field value ...]   (or FIELD=value in the environment)",
              f"Values are those of the {args.preset} preset with this environment and command line; "
@@ -340,6 +343,8 @@ def config_help(args, cuda_available):
         choices = CHOICES.get(f.name) or (("true", "false") if f.type is bool else None)
         if choices:
             text += f" [{'|'.join(choices)}]"
+        if f.name in from_environment:  # a variable left in the shell shows up here
+            text += f" (set by {f.name.upper()} in the environment)"
         lines.append(f"  {setting.ljust(width)}{f.type.__name__:6} {text}".rstrip())
     if trains_on_sample(args):
         lines.append(f"No FineWeb shards in {os.path.join(REPO_DIR, 'data/fineweb10B')}: this run reads the embedded "

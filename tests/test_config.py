@@ -113,6 +113,8 @@ def test_help_shows_the_active_values_descriptions_and_choices():
     assert [name.split("=")[0] for name in fields] == [f"--{f.name}" for f in train_gpt.dataclasses.fields(
         train_gpt.Hyperparameters)]
     assert "--num_layers=4" in fields and "--seed=7" in fields  # the cpu preset's value, then the environment's
+    assert fields["--seed=7"].endswith("(set by SEED in the environment)")
+    assert sum("in the environment)" in line for line in fields.values()) == 1
     # descriptions are the dataclass comments, choices where the set is fixed
     assert fields["--num_layers=4"].endswith("int    transformer blocks")
     assert fields["--ns_method=newton_schulz"].endswith("[newton_schulz|polar_express|aol]")
