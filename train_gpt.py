@@ -2225,7 +2225,7 @@ class TrainBatches:
     def check_position(state, files):
         """A checkpoint's state() must name the file at its index among these training files, of the
         same length: the run's glob may match other files since (a shard added, removed or renamed),
-        or the data may have moved and be another dataset with the same names."""
+        or the data may have moved, and a shard of the same name with another length is other data."""
         shard = state["shard"]
         if shard >= len(files) or os.path.basename(files[shard]) != state["file"]:
             here = f"which here is {files[shard]}" if shard < len(files) else f"but here there are {len(files)}"
@@ -2702,7 +2702,7 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
 CHECKPOINT_FORMAT = 1
 # Fields that choose where, how fast or with what logging training runs, not what it computes (device and
 # ns_backend change rounding only): a run may resume with other values of these. The data may move
-# to another folder: the loader's shard is checked by name (TrainBatches.check_position).
+# to another folder: the loader's shard is checked by name and length (TrainBatches.check_position).
 RESUME_FREE_FIELDS = {"run_name", "log_dir", "target_val_loss", "val_every", "warmup_steps", "device", "threads",
                       "train_files", "val_files",
                       "compile", "compile_scope", "overlap_comms", "ns_backend", "dist_timeout_s", "check_every", "save_checkpoint",
