@@ -469,9 +469,9 @@ def check_config(args, world_size, cuda_available):
 #
 # CPU and GPU run the same code except for what Hardware holds: the compute dtype, the attention
 # kernel, the FP8 head, the orthogonalization backend and the process-group backend (elsewhere
-# small branches on hw.device.type: threads, peak memory, pinned memory, RNG state, synchronization). Ranks come from
-# torchrun's environment; without torchrun the script is a single process and creates no process
-# group.
+# small branches on hw.device.type: threads, peak memory, pinned memory, RNG state,
+# synchronization). Ranks come from torchrun's environment; without torchrun the script is a
+# single process and creates no process group.
 
 @dataclass
 class Hardware:
