@@ -281,13 +281,12 @@ def parse_config(argv, environ, world_size=1, cuda_available=None):
     if preset not in PRESETS:
         raise ConfigError(f"--preset={preset!r}: expected one of {', '.join(PRESETS)}")
     values = dict(PRESETS[preset], preset=preset)
-    from_environment = set()
+    from_environment = set_by_environment(cli, environ)
     for f in dataclasses.fields(Hyperparameters):
         if f.name in cli:
             values[f.name] = _parse_value(f"--{f.name}", cli[f.name], f.type)
-        elif f.name.upper() in environ:
+        elif f.name in from_environment:
             values[f.name] = _parse_value(f.name.upper(), environ[f.name.upper()], f.type)
-            from_environment.add(f.name)
     args = Hyperparameters(**values)
     try:
         check_config(args, world_size, cuda_available)
@@ -302,18 +301,23 @@ def parse_config(argv, environ, world_size=1, cuda_available=None):
     return args
 
 
+def set_by_environment(cli, environ):
+    """The fields the environment sets: those the command line (cli, as command_line_options
+    reads it) leaves unset and an upper-case variable names."""
+    return {f.name for f in dataclasses.fields(Hyperparameters) if f.name not in cli and f.name.upper() in environ}
+
+
 def named_as_set(message, argv, environ):
     """The message with each --field of its subject (before its first ": ") written FIELD where the
-    environment set that field and the command line did not: the user looks for what they wrote."""
+    environment set that field: the user looks for what they wrote."""
     try:
-        on_command_line = command_line_options(argv)[0]
+        from_environment = set_by_environment(command_line_options(argv)[0], environ)
     except ConfigError:
-        on_command_line = {}
+        from_environment = set_by_environment({}, environ)
     subject, sep, rest = message.partition(": ")
 
     def as_set(match):
-        name = match.group(1)
-        return name.upper() if name not in on_command_line and name.upper() in environ else match.group(0)
+        return match.group(1).upper() if match.group(1) in from_environment else match.group(0)
     return re.sub(r"(?<![^ ])--(\w+)", as_set, subject) + sep + rest
 
 
