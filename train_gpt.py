@@ -2886,8 +2886,10 @@ def generate(model, args, prompt_tokens, max_new_tokens, temperature=0.8, top_k=
     return new
 
 
-def sample_main(args):
-    """--sample PATH: print the continuation of --prompt on stdout, and what made it on stderr."""
+def sample_main(args, set_fields=()):
+    """--sample PATH: print the continuation of --prompt on stdout, and what made it on stderr.
+    set_fields: the fields the command line or the environment set. The model and its windows
+    come from the checkpoint, so a set field that would change them is refused, not ignored."""
     checkpoint = read_checkpoint(args.sample, "sample")
     known = {f.name for f in dataclasses.fields(Hyperparameters)}
     unknown = sorted(checkpoint["config"].keys() - known)
@@ -2895,6 +2897,12 @@ def sample_main(args):
         raise ConfigError(f"--sample={args.sample!r}: its configuration has fields this train_gpt.py does not know: "
                           + ", ".join(unknown))
     trained = Hyperparameters(**checkpoint["config"])
+    ignored = [name for name in sorted(set(set_fields) - RESUME_FREE_FIELDS - {"seed"})
+               if getattr(args, name) != getattr(trained, name)]
+    if ignored:
+        raise ConfigError(", ".join(f"--{name}" for name in ignored) + f": --sample takes the configuration of "
+                          f"{args.sample!r}, which has " + ", ".join(f"{n}={getattr(trained, n)!r}" for n in ignored)
+                          + "; leave the option out")
     if args.threads:
         torch.set_num_threads(args.threads)
     # The device --device picks; dense attention and the plain head for one growing sequence.
@@ -2932,7 +2940,7 @@ def main(argv=None, environ=None):
         ranks = Ranks.from_env(environ)
         args = parse_config(argv, environ, ranks.world_size)
         if args.sample:
-            return sample_main(args)
+            return sample_main(args, set(command_line_options(argv)[0]) | set_by_environment({}, environ))
         if ranks.is_master:  # the only rank that writes there
             check_log_dir(args)
         if args.resume:  # a checkpoint of another configuration is refused before anything starts

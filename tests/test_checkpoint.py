@@ -372,6 +372,19 @@ def test_sampling_runs_on_the_device_asked_for(single, capsys, monkeypatch):
     assert out.strip() and f" on cpu from {path} " in err
 
 
+def test_sampling_refuses_options_that_would_change_the_checkpoints_model(single, capsys):
+    """The model comes from the checkpoint: a set option that differs from it was silently ignored."""
+    path = single["step3"]
+    assert train_gpt.main(["--sample", str(path), "--model_dim", "64", "--head_dim", "32"], {}) == train_gpt.EXIT_CONFIG
+    out, err = capsys.readouterr()
+    assert not out and err == (f"train_gpt.py: error: --head_dim, --model_dim: --sample takes the configuration of "
+                               f"'{path}', which has head_dim=16, model_dim=32; leave the option out\n")
+    assert train_gpt.main(["--sample", str(path)], {"NUM_ITERATIONS": "8"}) == train_gpt.EXIT_CONFIG
+    assert capsys.readouterr().err.startswith("train_gpt.py: error: NUM_ITERATIONS: --sample takes")
+    # the checkpoint's own values, and the options sampling reads, are accepted
+    sample(capsys, path, "--model_dim", "32", "--head_dim", "16", "--num_iterations", str(2 * N), "--seed", "3", "--threads", "1")
+
+
 def test_sampling_from_an_untrained_model_runs():
     args = train_gpt.parse_config(tiny_argv(), {}, 1, False)
     hw = train_gpt.Hardware.detect(args)
