@@ -2420,7 +2420,9 @@ EXIT_ERROR, EXIT_CONFIG, EXIT_DATA_RAN_OUT, EXIT_DIVERGED = 1, 2, 3, 4
 
 
 class Interrupted(Exception):
-    """SIGINT or SIGTERM arrived outside the training loop (set-up, compilation, warmup)."""
+    """SIGINT or SIGTERM arrived outside the training loop (set-up, compilation, warmup).
+    rank_alone: set where a signal that reached only some ranks in set-up ends them all."""
+    rank_alone = None
 
 
 class StopSignals:
@@ -2503,6 +2505,8 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
             raise PeerDataError(f"rank {first_failed} failed in set-up")
         if failed and not all_failed and isinstance(failure, DataError):
             raise DataError(f"rank {ranks.rank}: {failure}") from None
+        if failed and not all_failed and isinstance(failure, Interrupted):
+            failure.rank_alone = ranks.rank  # the ranks it stops end quietly: this one must say why
     if failure is not None:
         raise failure
     batches = None  # made inside the clock: setup derived from the data counts as training time
@@ -2971,10 +2975,12 @@ def main(argv=None, environ=None):
         if not isinstance(e, PeerDataError):
             print(f"train_gpt.py: error: {named_as_set(str(e), argv, environ)}", file=sys.stderr)
         return EXIT_ERROR
-    except Interrupted:  # before the training loop: nothing trained yet
-        if log.started or ranks.local_rank == 0:  # one report per machine, as for a bad option
+    except Interrupted as e:  # before the training loop: nothing trained yet
+        # One report per machine, as for a bad option; or by the one rank a signal reached in set-up.
+        if log.started or ranks.local_rank == 0 or e.rank_alone is not None:
             report = log if log.started else functools.partial(print, flush=True)
-            report(f"interrupted at step 0/{args.num_iterations} ({signal.Signals(stop.signum).name})")
+            which = f"rank {e.rank_alone}: " if e.rank_alone is not None else ""
+            report(f"{which}interrupted at step 0/{args.num_iterations} ({signal.Signals(stop.signum).name})")
             report(peak_memory_line(hw))
         return 128 + stop.signum
     finally:

@@ -268,11 +268,13 @@ def test_world_size_one_issues_no_collective(equivalence_runs):
 def main_worker(rank, world_size, port, argv_per_rank, out_dir):
     os.environ.update(rank_env(rank, world_size, port))
     torch.set_num_threads(1)
-    stderr = io.StringIO()
-    with contextlib.redirect_stderr(stderr):
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
         code = train_gpt.main(argv_per_rank[rank], dict(os.environ))
     with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
         f.write(f"{code}\n{stderr.getvalue()}")
+    with open(os.path.join(out_dir, f"rank{rank}.stdout"), "w") as f:
+        f.write(stdout.getvalue())
 
 
 def launch_main(tmp_path, argv_per_rank, world_size, worker=main_worker):
@@ -387,6 +389,22 @@ def test_a_signal_while_every_rank_reads_data_ends_each_as_signalled(tmp_path, m
     results, elapsed = launch_main(tmp_path, [argv, argv], world_size=2, worker=worker)
     assert results == [(128 + signal.SIGINT, "")] * 2   # (the "interrupted" line goes to stdout)
     assert elapsed < 30
+    assert (tmp_path / "rank0.stdout").read_text().startswith("interrupted at step 0/3 (SIGINT)\n")
+    assert (tmp_path / "rank1.stdout").read_text() == ""  # one report, as for a bad option
+
+
+def test_a_signal_reaching_one_rank_in_set_up_is_reported_by_that_rank(tmp_path, make_shards):
+    """kill -INT of one rank's process while it reads the data: it names itself; the rank it stops
+    ends quietly and at once (it once ended quietly too, and nothing said why)."""
+    train_glob, val_glob, _ = make_shards()
+    argv = tiny_argv(train_files=train_glob, val_files=val_glob, log_dir=tmp_path / "logs", micro_batches=2,
+                     num_iterations=3, dist_timeout_s=60)
+    worker = functools.partial(unreadable_shard_worker, (1,), error=interrupt_self)
+    results, elapsed = launch_main(tmp_path, [argv, argv], world_size=2, worker=worker)
+    assert results == [(train_gpt.EXIT_ERROR, ""), (128 + signal.SIGINT, "")]
+    assert elapsed < 30
+    assert (tmp_path / "rank0.stdout").read_text() == ""
+    assert (tmp_path / "rank1.stdout").read_text().startswith("rank 1: interrupted at step 0/3 (SIGINT)\n")
 
 
 def test_any_failure_while_reading_data_on_one_rank_ends_the_others_at_once(tmp_path, make_shards):
