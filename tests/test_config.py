@@ -158,7 +158,8 @@ def test_script_help_exits_0(tmp_path):
     assert gone.returncode == 0 and gone.stderr == ""
 
 
-@pytest.mark.parametrize("environ, needle", [({"RANK": "x"}, "RANK='x'"), ({"WORLD_SIZE": "0"}, "WORLD_SIZE='0'")])
+@pytest.mark.parametrize("environ, needle", [({"RANK": "x"}, "RANK='x'"), ({"RANK": "²"}, "RANK='²'"),  # a digit to isdigit()
+                                             ({"WORLD_SIZE": "0"}, "WORLD_SIZE='0'")])
 def test_malformed_torchrun_variables(capsys, environ, needle):
     assert train_gpt.main([], environ) == 2
     err = capsys.readouterr().err.strip().splitlines()

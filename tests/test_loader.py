@@ -141,7 +141,7 @@ def test_trainer_and_data_tools_share_one_token_rule(tmp_path, token):
     expected = f"{path}: token {token} at index 2 is >= vocab size 50257"
     for read in (lambda: train_gpt.load_shard(str(path)),
                  lambda: train_gpt.load_val_tokens([str(path)], 3),
-                 lambda: train_gpt.check_shard_tokens([str(path)]),
+                 lambda: train_gpt.read_shard_tokens(str(path)),
                  lambda: shards.read_shard(path)):
         with pytest.raises(train_gpt.DataError) as err:
             read()
