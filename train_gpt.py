@@ -1680,12 +1680,15 @@ def document_ids(tokens):
     return (tokens == BOS_TOKEN).cumsum(0)
 
 
+def may_attend(q, k, docs, window_blocks, block_size):
+    """The rule above for query and key positions q, k (broadcast) and document ids docs."""
+    return (k <= q) & (docs[q] == docs[k]) & (q // block_size - k // block_size < window_blocks)
+
+
 def dense_attention_mask(tokens, window_blocks, block_size):
     """The mask as a (T, T) boolean matrix for scaled_dot_product_attention (CPU path)."""
-    docs = document_ids(tokens)
     pos = torch.arange(tokens.numel(), device=tokens.device)
-    q, k = pos[:, None], pos[None, :]
-    return (k <= q) & (docs[:, None] == docs[None, :]) & (q // block_size - k // block_size < window_blocks)
+    return may_attend(pos[:, None], pos[None, :], document_ids(tokens), window_blocks, block_size)
 
 
 def flex_block_mask(tokens, window_blocks, block_size):
@@ -1706,8 +1709,7 @@ def flex_block_mask(tokens, window_blocks, block_size):
     partial = any_allowed & ~full
 
     def mask_mod(b, h, q_idx, kv_idx):  # the whole rule, so it also holds where blocks are not skipped
-        return ((q_idx >= kv_idx) & (docs[q_idx] == docs[kv_idx])
-                & (q_idx // block_size - kv_idx // block_size < window_blocks))
+        return may_attend(q_idx, kv_idx, docs, window_blocks, block_size)
 
     def ordered(mask):  # each query block's key blocks, nearest first, as the record visits them
         counts = mask.sum(dim=-1, dtype=torch.int32)
