@@ -2573,8 +2573,9 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
             dist.all_reduce(sum_and_count)
         return (sum_and_count[0] / sum_and_count[1]).item()
 
-    # Warmup on random tokens (each window starts with a BOS, like real data), then reset.
-    if args.warmup_steps:
+    def warm_up():
+        """Compile and tune on random tokens (each window starts with a BOS, like real data), then
+        put model and optimizer back to their initial state."""
         log("Compiling model and warming up kernels")
         initial_params = {k: v.detach().clone() for k, v in model.state_dict().items()}
         rng = torch.Generator().manual_seed(args.seed + 1)  # not the model's stream
@@ -2584,8 +2585,8 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
             tokens[0] = BOS_TOKEN
             tokens = tokens.to(hw.device)
             return tokens[:-1], tokens[1:]
-        for step in range(args.warmup_steps):
-            train_step(step * args.num_iterations // args.warmup_steps, random_batch)
+        for warmup_step in range(args.warmup_steps):
+            train_step(warmup_step * args.num_iterations // args.warmup_steps, random_batch)
         with torch.no_grad():
             model.eval()
             inputs, targets = next(val_batches(val_tokens, args.val_seq_len, 0, 1, hw.device))
@@ -2597,17 +2598,19 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
 
     training_time_ms = 0.0
     step = 0
-    resumed_loader = None
-    if checkpoint is not None:
-        step, training_time_ms = restore_checkpoint(checkpoint, args.resume, model, optimizer, ranks, hw, log)
-        resumed_loader, result.resumed_val_losses = checkpoint["loader"], checkpoint["val_losses"]
-        checkpoint = None  # unmaps the file: its weights and optimizer state are copied in now
-    synchronize(hw)
-    t0 = time.perf_counter()
-    stop.deferred = True  # from here on a signal ends the run at the next check, on every rank
     try:  # the loader's thread is closed however this ends (a KeyboardInterrupt too, where no
           # StopSignals watch: tests, bench scripts)
-        try:
+        try:  # from warmup on, where a fork's bug or the compiler first fails, a failure is one line and logged
+            if args.warmup_steps:
+                warm_up()
+            resumed_loader = None
+            if checkpoint is not None:
+                step, training_time_ms = restore_checkpoint(checkpoint, args.resume, model, optimizer, ranks, hw, log)
+                resumed_loader, result.resumed_val_losses = checkpoint["loader"], checkpoint["val_losses"]
+                checkpoint = None  # unmaps the file: its weights and optimizer state are copied in now
+            synchronize(hw)
+            t0 = time.perf_counter()
+            stop.deferred = True  # from here on a signal ends the run at the next check, on every rank
             while True:
                 last_step = step == N or result.stopped_early is not None
                 if last_step or step % args.check_every == 0 or (ranks.world_size == 1 and stop.signum):
@@ -2650,9 +2653,11 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
                     t0 = time.perf_counter()
                 if on_step is not None:
                     on_step(step, model, optimizer)
+        except Interrupted:  # a signal in warmup: main() reports it
+            raise
         except Exception as e:  # a late failure (bad shard, out of memory, lost rank, bug): one line, a complete log
             where = f"rank {ranks.rank}: " if ranks.world_size > 1 else ""  # perhaps this rank's alone
-            if isinstance(e, DataError):  # its line says all: which file, what is wrong
+            if isinstance(e, (DataError, CheckpointError)):  # its line says all: which file, what is wrong
                 result.failure = f"{where}{e}"
             else:
                 if not getattr(log, "path", None) or getattr(log, "error", None):  # no log file to hold the traceback

@@ -118,6 +118,26 @@ def test_exception_late_in_training_ends_in_one_line_and_a_complete_log(tmp_path
     assert out.splitlines()[-1] == body[-1] and "Traceback" not in out
 
 
+def test_a_bug_found_in_warmup_ends_in_one_line_and_a_complete_log(tmp_path, make_shards, monkeypatch, capsys):
+    """A fork's bug in forward (or a compiler error, or out of memory) shows first in warmup: it
+    ends as a failure in the loop does, not in a bare traceback after a log cut off at warmup."""
+    train_glob, val_glob, _ = make_shards()
+    log_dir = tmp_path / "records"
+
+    def buggy_forward(self, x):
+        raise RuntimeError("approximate argument must be either none or tanh")
+    monkeypatch.setattr(train_gpt.MLP, "forward", buggy_forward)
+    argv = tiny_argv(train_files=train_glob, val_files=val_glob, log_dir=log_dir, warmup_steps=2)
+    assert train_gpt.main(argv, {}) == train_gpt.EXIT_ERROR
+    body = only_log(log_dir).splitlines()
+    assert "Compiling model and warming up kernels" in body and "Traceback (most recent call last):" in body
+    assert body[-2] == ("failed at step 0/4: RuntimeError: approximate argument must be either none or tanh")
+    assert PEAK.match(body[-1])
+    out, err = capsys.readouterr()
+    assert err == f"train_gpt.py: error: {body[-2]} (traceback in {next(log_dir.glob('*/*.txt'))})\n"
+    assert "Traceback" not in out
+
+
 def test_bad_shard_found_in_the_loop_is_a_data_error_not_a_crash(tmp_path, make_shards, monkeypatch, capsys):
     train_glob, val_glob, _ = make_shards()
     log_dir = tmp_path / "records"
