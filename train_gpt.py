@@ -2792,7 +2792,10 @@ def read_checkpoint(path, option, args=None):
     if not isinstance(checkpoint, dict) or checkpoint.get("format") != CHECKPOINT_FORMAT:
         raise ConfigError(f"--{option}={path!r}: not a checkpoint written by train_gpt.py")
     if args is not None:
-        saved, here = checkpoint["config"], dataclasses.asdict(args)
+        here = dataclasses.asdict(args)
+        # A field added since the checkpoint was written (a fork's new flag) counts at its default.
+        added = {f.name: f.default for f in dataclasses.fields(Hyperparameters) if f.name not in checkpoint["config"]}
+        saved = {**added, **checkpoint["config"]}
         differ = [name for name in sorted((saved.keys() | here.keys()) - RESUME_FREE_FIELDS)
                   if saved.get(name, "(absent)") != here.get(name, "(absent)")]
         if differ:

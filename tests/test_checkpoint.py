@@ -189,6 +189,19 @@ def test_a_checkpoint_of_another_configuration_is_refused(single, tmp_path, caps
         assert err.count("\n") == 1 and message in err and f"--resume='{tmp_path / name}'" in err
 
 
+def test_a_field_added_since_the_checkpoint_counts_at_its_default(single, tmp_path):
+    """A fork adds a flag: its checkpoints from before the fork resume while the flag is off."""
+    checkpoint = load(single["step3"])
+    del checkpoint["config"]["normuon"], checkpoint["config"]["cautious_wd"]
+    torch.save(checkpoint, tmp_path / "before_the_fork.pt")
+    path = str(tmp_path / "before_the_fork.pt")
+    args = train_gpt.parse_config(single["argv"], {}, 1, False)
+    assert train_gpt.read_checkpoint(path, "resume", args)["step"] == N
+    args = train_gpt.parse_config(single["argv"] + ["--normuon=true"], {}, 1, False)
+    with pytest.raises(train_gpt.ConfigError, match="different configuration: normuon=False there, True here$"):
+        train_gpt.read_checkpoint(path, "resume", args)
+
+
 def test_a_resume_over_other_training_files_ends_in_one_line_naming_them(single, data, tmp_path, capsys):
     """The run's --train_files glob may match other files since (a shard downloaded or removed):
     the loader's position then names another file, and the run is refused before it starts."""
