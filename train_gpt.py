@@ -266,8 +266,9 @@ def command_line_options(argv):
             raise ConfigError(f"unknown option --{name}{hint}")
         if not sep:
             value = next(it, None)
-            if value is None:
-                raise ConfigError(f"--{name}: missing value")
+            if value is None or value.startswith("--"):  # `--flag --seed 1` would take --seed as the value
+                raise ConfigError(f"--{name}: missing value (--{name} VALUE, or --{name}=VALUE for one "
+                                  "that starts with --)")
         cli[name] = value
     return cli, help_requested
 
@@ -2935,8 +2936,10 @@ def main(argv=None, environ=None):
     try:
         ranks = Ranks.from_env(environ)
         args = parse_config(argv, environ, ranks.world_size)
+        cli = command_line_options(argv)[0]  # parse_config accepted it
+        from_environment = set_by_environment(cli, environ)
         if args.sample:
-            return sample_main(args, set(command_line_options(argv)[0]) | set_by_environment({}, environ))
+            return sample_main(args, set(cli) | from_environment)
         if ranks.is_master:  # the only rank that writes there
             check_log_dir(args)
         if args.resume:  # a checkpoint of another configuration is refused before anything starts
@@ -2957,6 +2960,9 @@ def main(argv=None, environ=None):
     if hw.device.type == "cpu":
         torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // ranks.local_world_size))
         keep_freed_memory_on_cpu()
+    if ranks.is_master and from_environment:  # a variable left in the shell changes the run: say so
+        print("set by the environment: " + ", ".join(f"{name.upper()}={environ[name.upper()]}"
+                                                     for name in sorted(from_environment)), flush=True)
     log = RunLog(args, ranks)
     stop = StopSignals()
     stop.install()

@@ -59,6 +59,7 @@ BAD = [
     (["--cooldown_frac", "1.5"], {}, 1, "--cooldown_frac"),
     (["--preset", "gpu"], {}, 1, "--preset"),
     (["--num_iterations"], {}, 1, "missing value"),
+    (["--normuon", "--seed", "1"], {}, 1, "--normuon: missing value"),  # not "unexpected argument '1'"
     (["positional"], {}, 1, "unexpected argument"),
     (["--device", "cuda"], {}, 1, "no CUDA device"),
     (["--adam_beta1", "1"], {}, 1, "--adam_beta1=1.0: must lie in [0, 1)"),
@@ -172,7 +173,7 @@ def test_malformed_torchrun_variables(capsys, environ, needle):
     ([], {"PROMPT": "Hi"}, "PROMPT: only --sample reads it"),
     ([], {"SAMPLE": "a.pt", "RESUME": "b.pt"}, "SAMPLE and RESUME: choose one"),
     (["--resume=b.pt"], {"SAMPLE": "a.pt"}, "SAMPLE and --resume: choose one"),
-    (["--prompt", "--sample"], {"SAMPLE": "a.pt"}, "SAMPLE='a.pt': no such file"),  # '--sample' is the prompt
+    (["--prompt=--sample"], {"SAMPLE": "a.pt"}, "SAMPLE='a.pt': no such file"),  # '--sample' is the prompt
     (["--check-every=0"], {"CHECK_EVERY": "5"}, "--check_every=0: "),
     ([], {"CHECK_EVERY": "0"}, "CHECK_EVERY=0: "),
 ])

@@ -225,3 +225,15 @@ def test_clock_stops_during_validation(make_shards, monkeypatch):
     wall_ms = 1000 * (time.perf_counter() - started)
     windows = 4 * (TINY["val_tokens"] // TINY["val_seq_len"])  # 4 validations (steps 0..3)
     assert wall_ms - result.train_time_ms > windows * 300
+
+
+def test_values_the_environment_sets_are_named_on_the_console(tmp_path, make_shards, capsys):
+    """A variable left in the shell (an old `export SEED=7`) changes the run: the console says so."""
+    train_glob, val_glob, _ = make_shards()
+    argv = tiny_argv(train_files=train_glob, val_files=val_glob, log_dir=tmp_path, num_iterations=2)
+    environ = {"SEED": "7", "NUM_ITERATIONS": "3", "HOME": "/root"}  # the command line wins over NUM_ITERATIONS
+    assert train_gpt.main(argv, environ) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("set by the environment: SEED=7\nlogging to ") and "step:2/2 val_loss:" in out
+    assert train_gpt.main(argv, {}) == 0
+    assert "set by the environment" not in capsys.readouterr().out
