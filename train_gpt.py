@@ -2126,11 +2126,10 @@ def load_shard(path, max_tokens=None, pin_memory=False):
     return out
 
 
-def find_shards(pattern, what):
+def find_shards(pattern, what, hint=""):
     files = sorted(glob.glob(pattern))
     if not files:
-        raise DataError(f"{pattern}: no {what} shards match; run `python data/cached_fineweb10B.py` "
-                        "or pass --train_files and --val_files")
+        raise DataError(f"{pattern}: no {what} shards match{hint}")
     for f in files:
         read_shard_header(f)
     return files
@@ -2266,11 +2265,14 @@ def resolve_data_files(args):
     given = (args.train_files, args.val_files)
     train, val = (os.path.join(REPO_DIR, p) if p == default else p for p, default in zip(given, FINEWEB_FILES))
     note = f"data: training on {train}, validating on {val}"
+    hints = [f" (FineWeb, the default of --{option}: run `python data/cached_fineweb10B.py`, or set --{option})"
+             if text == default else "" for option, text, default in zip(("train_files", "val_files"), given, FINEWEB_FILES)]
     if trains_on_sample(args):
         train, val = (os.path.join(REPO_DIR, p) for p in SAMPLE_FILES)
         note = ("data: no FineWeb shards in data/fineweb10B/; training on the embedded sample in data/sample/ "
                 "(CPython documentation text, see data/sample/MANIFEST.json)")
-    return find_shards(train, "training"), find_shards(val, "validation"), note
+        hints = ["", ""]
+    return find_shards(train, "training", hints[0]), find_shards(val, "validation", hints[1]), note
 
 
 def data_shortfall(files, args):

@@ -163,8 +163,8 @@ def test_missing_data_fails_before_any_log_is_written(tmp_path):
     log_dir = tmp_path / "records"
     proc = run_script(tmp_path, *tiny_argv(train_files=str(tmp_path / "none_*.bin"), log_dir=log_dir))
     assert proc.returncode == 1
-    assert proc.stderr.strip().splitlines()[-1].startswith("train_gpt.py: error: ")
-    assert "no training shards match" in proc.stderr
+    # a pattern the user gave: no advice to download FineWeb
+    assert proc.stderr.strip().splitlines()[-1] == f"train_gpt.py: error: {tmp_path}/none_*.bin: no training shards match"
     assert "logging to" not in proc.stdout  # it would name a file that never comes to exist
     assert not log_dir.exists() or not any(log_dir.rglob("*.txt"))
 
@@ -190,8 +190,15 @@ def test_cpu_preset_falls_back_to_the_sample_only_without_fineweb(tmp_path, make
     speedrun = train_gpt.parse_config(["--preset", "speedrun"], {}, 1, False)
     for f in (tmp_path / "data" / "fineweb10B").iterdir():
         f.unlink()
-    with pytest.raises(train_gpt.DataError, match="no training shards match"):
+    with pytest.raises(train_gpt.DataError, match=r"no training shards match \(FineWeb, the default of --train_files: "
+                                                  r"run `python data/cached_fineweb10B.py`, or set --train_files\)$"):
         train_gpt.resolve_data_files(speedrun)
+    # only the training files given: the error names the validation files' default
+    train_only = train_gpt.parse_config(["--preset", "speedrun", "--train_files",
+                                         str(tmp_path / "data" / "sample" / "sample_train_*.bin")], {}, 1, False)
+    with pytest.raises(train_gpt.DataError, match=r"fineweb_val_\*.bin: no validation shards match \(FineWeb, the "
+                                                  r"default of --val_files: .*, or set --val_files\)$"):
+        train_gpt.resolve_data_files(train_only)
 
 
 def test_bad_token_in_a_late_shard_stops_before_training(make_shards):
