@@ -105,6 +105,7 @@ class RunLog:
     target_val_loss: float | None = None
     config: dict[str, str] = field(default_factory=dict)  # header key=value lines
     content_hash: str = ""
+    code_hash: str | None = None  # hash of the trainer's source the log starts with (None: stripped)
     run_hash: str | None = None  # hash of the training section (after last separator)
     problems: list[str] = field(default_factory=list)
 
@@ -192,6 +193,8 @@ def parse_log_text(text: str, run_id: str = "?", path: Path | None = None) -> Ru
             "no line of 100 '=' (not a training log, or truncated inside the source code)"
         )
         return run
+    if any(line.strip() for line in lines[: separators[0]]):
+        run.code_hash = _sha1("\n".join(lines[: separators[0]]))
     if len(separators) >= 2:
         header = lines[separators[-2] + 1 : separators[-1]]
         # The public logs of early 2025 have one more section: versions and nvidia-smi, a
@@ -402,6 +405,17 @@ def load_folder(path: str | Path) -> RecordFolder:
     if differing := config_differences(folder.usable):
         folder.warnings.append(f"{folder.label}: the runs differ in configuration: {differing}; kept, "
                                "but their statistics mix configurations")
+    codes = Counter(r.code_hash for r in folder.usable if r.code_hash)
+    if len(codes) > 1:
+        folder.warnings.append(f"{folder.label}: the runs were made by {len(codes)} different versions of the "
+                               "training script (the source each log starts with: "
+                               + ", ".join(f"{n} run{'s' * (n > 1)}" for _, n in codes.most_common())
+                               + "); kept, but their statistics mix code versions")
+    curves = {tuple(loss for _, _, loss in r.val_curve) for r in folder.usable}
+    if len(folder.usable) > 1 and len(curves) == 1:
+        folder.warnings.append(f"{folder.label}: all {len(folder.usable)} runs have the same validation losses: "
+                               "one run repeated (the same --seed on a deterministic device, such as a CPU); "
+                               "the loss statistics say nothing about its spread: vary --seed")
     return folder
 
 
@@ -742,6 +756,16 @@ def render_statistics(
     return "\n".join(out)
 
 
+def loss_axis_limits(runs: list[RunLog], target: float) -> tuple[float, float]:
+    """The plot's loss range. The loss at step 0 (ln 50304 = 10.8) would flatten the region that
+    matters: the top is the highest later validation, and at least 4.0."""
+    losses = [(step, loss) for r in runs for step, _, loss in r.val_curve if math.isfinite(loss)]
+    bottom = min([loss for _, loss in losses] + [target])
+    top = max([4.0] + [loss for step, loss in losses if step > 0])
+    margin = 0.05 * (top - bottom)
+    return bottom - margin, top + margin
+
+
 def plot_curves(runs: RecordFolder, target: float, out_path: Path, baseline: RecordFolder | None = None) -> None:
     """Validation loss against training time for every usable run."""
     import matplotlib
@@ -753,22 +777,14 @@ def plot_curves(runs: RecordFolder, target: float, out_path: Path, baseline: Rec
     groups = [(runs, "tab:blue", f"runs: {runs.label}")]
     if baseline is not None:
         groups.append((baseline, "tab:orange", f"baseline: {baseline.label}"))
-    plotted_losses = []
     for folder, colour, label in groups:
         for i, run in enumerate(folder.usable):
             seconds = [ms / 1000 for _, ms, _ in run.val_curve]
             losses = [loss for _, _, loss in run.val_curve]
             ax.plot(seconds, losses, color=colour, alpha=0.6, linewidth=1, marker=".",
                     label=f"{label} (n={len(folder.usable)})" if i == 0 else None)
-            plotted_losses += [loss for loss in losses if math.isfinite(loss)]
     ax.axhline(target, color="tab:red", linestyle="--", linewidth=1, label=f"target {target:g}")
-    # Early losses (~10.8 at step 0) would flatten the region that matters, so
-    # the top stops at 4.0 unless the runs never got below it.
-    finished = [r.final_val_loss for folder, _, _ in groups for r in folder.usable]
-    bottom = min(plotted_losses + [target])
-    top = max(4.0, max(finished) + 0.1)
-    margin = 0.05 * (top - bottom)
-    ax.set_ylim(bottom - margin, top + margin)
+    ax.set_ylim(*loss_axis_limits([run for folder, _, _ in groups for run in folder.usable], target))
     ax.set_xlabel("training time (s)")
     ax.set_ylabel("validation loss")
     ax.set_title(f"Validation loss vs training time: {runs.label}")

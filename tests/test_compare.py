@@ -736,3 +736,37 @@ def test_a_run_in_both_folders_is_warned_about(good_runs, baseline_runs):
     found = compare.baseline_warnings(compare.load_folder(good_runs), compare.load_folder(baseline_runs))
     assert found == [f"1 run(s) are in both folders (identical training output, e.g. 2026-01-01_myidea/{copied.name}"
                      " and 2026-01-01_baseline/copy.txt); the comparison is not between independent runs"]
+
+
+def test_runs_of_different_code_versions_are_warned_about(tmp_path):
+    """A run made after an edit to the training script is pooled with the others: say so."""
+    folder = tmp_path / "runs"
+    edited = FAKE_SOURCE.replace("import os", "import os  # bound factor 0.4")
+    write_logs(folder, [make_log(l) for l in LOSSES[:3]] + [make_log(LOSSES[3], source=edited)])
+    result = compare.load_folder(folder)
+    assert len(result.usable) == 4
+    [warning] = result.warnings
+    assert "2 different versions of the training script" in warning and "(the source each log starts with: " \
+        "3 runs, 1 run)" in warning
+    # logs whose source was stripped (the public ones) are not compared
+    write_logs(tmp_path / "stripped", [make_log(l, source="") for l in LOSSES[:3]])
+    assert compare.load_folder(tmp_path / "stripped").warnings == []
+
+
+def test_repeats_of_one_deterministic_run_are_warned_about(tmp_path):
+    """CPU runs of one seed are identical: their std of 0 is not a measurement of the spread."""
+    folder = tmp_path / "runs"
+    write_logs(folder, [make_log(3.2771, final_ms=t) for t in TIMES[:3]])  # the times differ, the losses not
+    [warning] = compare.load_folder(folder).warnings
+    assert "all 3 runs have the same validation losses" in warning and "vary --seed" in warning
+
+
+def test_the_plot_shows_every_validation_after_step_0():
+    """CPU runs end near 5.7: a top fixed near the final loss showed only the last point."""
+    run = compare.parse_log_text(make_log(5.68, steps=120))
+    bottom, top = compare.loss_axis_limits([run], 6.0)
+    later = [loss for step, _, loss in run.val_curve if step > 0]
+    assert max(later) > 8 and bottom < min(later) and max(later) < top < 10.8
+    speedrun = compare.parse_log_text(make_log(3.2790))
+    bottom, top = compare.loss_axis_limits([speedrun], 3.28)
+    assert bottom < 3.2790 and max(loss for step, _, loss in speedrun.val_curve if step > 0) < top < 10.8
