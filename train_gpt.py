@@ -2656,9 +2656,10 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
                     t0 = time.perf_counter()
                 if on_step is not None:
                     on_step(step, model, optimizer)
-        except Interrupted:  # a signal in warmup: main() reports it
-            raise
         except Exception as e:  # a late failure (bad shard, out of memory, lost rank, bug): one line, a complete log
+            # A signal in warmup, which main() reports; the compiler may have wrapped its Interrupted.
+            if stop.signum is not None and not stop.deferred:
+                raise Interrupted() from None
             where = f"rank {ranks.rank}: " if ranks.world_size > 1 else ""  # perhaps this rank's alone
             if isinstance(e, (DataError, CheckpointError)):  # its line says all: which file, what is wrong
                 result.failure = f"{where}{e}"
@@ -2797,8 +2798,7 @@ def read_checkpoint(path, option, args=None):
     if args is not None:
         here = dataclasses.asdict(args)
         # A field added since the checkpoint was written (a fork's new flag) counts at its default.
-        added = {f.name: f.default for f in dataclasses.fields(Hyperparameters) if f.name not in checkpoint["config"]}
-        saved = {**added, **checkpoint["config"]}
+        saved = {**dataclasses.asdict(Hyperparameters()), **checkpoint["config"]}
         differ = [name for name in sorted((saved.keys() | here.keys()) - RESUME_FREE_FIELDS)
                   if saved.get(name, "(absent)") != here.get(name, "(absent)")]
         if differ:
@@ -2885,6 +2885,12 @@ def generate(model, args, prompt_tokens, max_new_tokens, temperature=0.8, top_k=
     return new
 
 
+# What --sample takes from the checkpoint: the fields that build the model, its context and its windows.
+MODEL_FIELDS = ("vocab_size", "num_layers", "model_dim", "num_heads", "head_dim", "mlp_ratio", "attention_free_layers",
+                "num_value_embeds", "attn_scale", "rotary_base", "logit_softcap", "attn_block_size", "window_pattern",
+                "window_growth_tokens", "bf16_embeds", "train_seq_len", "val_seq_len", "num_iterations")
+
+
 def sample_main(args, set_fields=()):
     """--sample PATH: print the continuation of --prompt on stdout, and what made it on stderr.
     set_fields: the fields the command line or the environment set. The model and its windows
@@ -2896,8 +2902,7 @@ def sample_main(args, set_fields=()):
         raise ConfigError(f"--sample={args.sample!r}: its configuration has fields this train_gpt.py does not know: "
                           + ", ".join(unknown))
     trained = Hyperparameters(**checkpoint["config"])
-    ignored = [name for name in sorted(set(set_fields) - RESUME_FREE_FIELDS - {"seed"})
-               if getattr(args, name) != getattr(trained, name)]
+    ignored = [name for name in sorted(set(set_fields) & set(MODEL_FIELDS)) if getattr(args, name) != getattr(trained, name)]
     if ignored:
         raise ConfigError(", ".join(f"--{name}" for name in ignored) + f": --sample takes the configuration of "
                           f"{args.sample!r}, which has " + ", ".join(f"{n}={getattr(trained, n)!r}" for n in ignored)

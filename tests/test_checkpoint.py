@@ -285,6 +285,18 @@ def test_a_checkpoint_that_does_not_fit_the_code_is_refused(single):
     assert "\n" not in str(error.value)
 
 
+def test_a_checkpoint_that_does_not_fit_ends_the_run_in_one_line_and_a_complete_log(single, tmp_path, capsys):
+    """Found after warmup, when the model exists: logged as the run's last line but one, exit 1."""
+    checkpoint = load(single["step3"])
+    checkpoint["optimizer"]["tensors"].pop()  # as if the optimizer kept one tensor more now
+    torch.save(checkpoint, tmp_path / "other_code.pt")
+    logs = tmp_path / "logs"
+    assert train_gpt.main(single["argv"] + [f"--resume={tmp_path / 'other_code.pt'}", f"--log_dir={logs}"], {}) == 1
+    body = next(logs.glob("*/*.txt")).read_text().splitlines()
+    assert body[-2].startswith(f"{tmp_path / 'other_code.pt'}: does not fit this model (") and "peak memory" in body[-1]
+    assert capsys.readouterr().err == f"train_gpt.py: error: {body[-2]}\n"
+
+
 def crash_on_save(obj, f):
     f.write(b"PK\x03\x04" + b"\0" * 4096)  # the start of a zip, as torch.save writes
     raise OSError(28, "No space left on device")
@@ -394,8 +406,9 @@ def test_sampling_refuses_options_that_would_change_the_checkpoints_model(single
                                f"'{path}', which has head_dim=16, model_dim=32; leave the option out\n")
     assert train_gpt.main(["--sample", str(path)], {"NUM_ITERATIONS": "8"}) == train_gpt.EXIT_CONFIG
     assert capsys.readouterr().err.startswith("train_gpt.py: error: NUM_ITERATIONS: --sample takes")
-    # the checkpoint's own values, and the options sampling reads, are accepted
-    sample(capsys, path, "--model_dim", "32", "--head_dim", "16", "--num_iterations", str(2 * N), "--seed", "3", "--threads", "1")
+    # the checkpoint's own values, the options sampling reads and those that build no model are accepted
+    sample(capsys, path, "--model_dim", "32", "--head_dim", "16", "--num_iterations", str(2 * N), "--seed", "3",
+           "--threads", "1", "--micro_batches", "2", "--muon_lr", "0.1")
 
 
 def test_sampling_from_an_untrained_model_runs():

@@ -138,6 +138,25 @@ def test_a_bug_found_in_warmup_ends_in_one_line_and_a_complete_log(tmp_path, mak
     assert "Traceback" not in out
 
 
+def test_a_signal_the_compiler_wraps_in_warmup_is_still_an_interruption(tmp_path, make_shards, monkeypatch, capsys):
+    """torch.compile re-raises what its tracing met (the handler's Interrupted) as errors of its own."""
+    train_glob, val_glob, _ = make_shards()
+    log_dir = tmp_path / "records"
+
+    def forward_compiling(self, x):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C: main()'s handler raises Interrupted here
+            time.sleep(5)
+        except train_gpt.Interrupted as e:
+            raise RuntimeError("the compiler's own error") from e
+    monkeypatch.setattr(train_gpt.MLP, "forward", forward_compiling)
+    argv = tiny_argv(train_files=train_glob, val_files=val_glob, log_dir=log_dir, warmup_steps=2)
+    assert train_gpt.main(argv, {}) == 128 + signal.SIGINT
+    body = only_log(log_dir).splitlines()
+    assert body[-2] == "interrupted at step 0/4 (SIGINT)" and PEAK.match(body[-1])
+    assert "Traceback" not in "\n".join(body) and capsys.readouterr().err == ""
+
+
 def test_bad_shard_found_in_the_loop_is_a_data_error_not_a_crash(tmp_path, make_shards, monkeypatch, capsys):
     train_glob, val_glob, _ = make_shards()
     log_dir = tmp_path / "records"
