@@ -2266,7 +2266,8 @@ def resolve_data_files(args):
     train, val = (os.path.join(REPO_DIR, p) if p == default else p for p, default in zip(given, FINEWEB_FILES))
     note = f"data: training on {train}, validating on {val}"
     hints = [f" (FineWeb, the default of --{option}: run `python data/cached_fineweb10B.py`, or set --{option})"
-             if text == default else "" for option, text, default in zip(("train_files", "val_files"), given, FINEWEB_FILES)]
+             if text == default else ""
+             for option, text, default in zip(("train_files", "val_files"), given, FINEWEB_FILES)]
     if trains_on_sample(args):
         train, val = (os.path.join(REPO_DIR, p) for p in SAMPLE_FILES)
         note = ("data: no FineWeb shards in data/fineweb10B/; training on the embedded sample in data/sample/ "
@@ -2902,7 +2903,7 @@ def sample_main(args, set_fields=()):
         raise ConfigError(f"--sample={args.sample!r}: its configuration has fields this train_gpt.py does not know: "
                           + ", ".join(unknown))
     trained = Hyperparameters(**checkpoint["config"])
-    ignored = [name for name in sorted(set(set_fields) & set(MODEL_FIELDS)) if getattr(args, name) != getattr(trained, name)]
+    ignored = [name for name in MODEL_FIELDS if name in set_fields and getattr(args, name) != getattr(trained, name)]
     if ignored:
         raise ConfigError(", ".join(f"--{name}" for name in ignored) + f": --sample takes the configuration of "
                           f"{args.sample!r}, which has " + ", ".join(f"{n}={getattr(trained, n)!r}" for n in ignored)

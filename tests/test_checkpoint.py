@@ -402,8 +402,8 @@ def test_sampling_refuses_options_that_would_change_the_checkpoints_model(single
     path = single["step3"]
     assert train_gpt.main(["--sample", str(path), "--model_dim", "64", "--head_dim", "32"], {}) == train_gpt.EXIT_CONFIG
     out, err = capsys.readouterr()
-    assert not out and err == (f"train_gpt.py: error: --head_dim, --model_dim: --sample takes the configuration of "
-                               f"'{path}', which has head_dim=16, model_dim=32; leave the option out\n")
+    assert not out and err == (f"train_gpt.py: error: --model_dim, --head_dim: --sample takes the configuration of "
+                               f"'{path}', which has model_dim=32, head_dim=16; leave the option out\n")
     assert train_gpt.main(["--sample", str(path)], {"NUM_ITERATIONS": "8"}) == train_gpt.EXIT_CONFIG
     assert capsys.readouterr().err.startswith("train_gpt.py: error: NUM_ITERATIONS: --sample takes")
     # the checkpoint's own values, the options sampling reads and those that build no model are accepted
