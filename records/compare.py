@@ -821,6 +821,7 @@ def _terminal_table(runs: RecordFolder, summary: Summary, baseline, baseline_sum
             f" (Welch p two-sided {_fmt_p(c.time_p_two_sided)}, p faster {_fmt_p(c.time_p_faster)});"
             f" loss diff {c.loss_diff:+.5f} (p two-sided {_fmt_p(c.loss_p_two_sided)})"
         )
+        lines.append(f"faster than the baseline: {_verdict(c.time_p_faster)}")  # the ratio alone is no evidence
     return "\n".join(lines)
 
 

@@ -433,13 +433,17 @@ def test_main_writes_statistics_and_plot(good_runs, baseline_runs, capsys):
     assert "runs used" in out and "speedup" in out and "warning:" in out
 
 
-def test_main_single_run_reports_na(tmp_path):
+def test_main_single_run_reports_na(tmp_path, capsys):
     folder = tmp_path / "one"
     write_logs(folder, [make_log()])
     assert compare.main([str(folder)]) == 0
     md = (folder / "statistics.md").read_text()
     assert "| final val loss std | n/a |" in md and "| p (mean loss < 3.28) | n/a |" in md
     assert "undetermined" in md and "no baseline folder given" in md
+    # one run against one: a ratio, and no evidence either way
+    write_logs(tmp_path / "other", [make_log(3.279, 100_000)])
+    assert compare.main([str(folder), str(tmp_path / "other")]) == 0
+    assert "\nfaster than the baseline: undetermined (p n/a)\n" in capsys.readouterr().out
 
 
 def test_main_warns_on_hardware_mismatch_with_baseline(good_runs, tmp_path):
@@ -706,6 +710,7 @@ def test_a_baseline_of_the_same_step_count_keeps_the_speedup(good_runs, baseline
     assert compare.main([str(good_runs), str(baseline_runs)]) == 0
     out = capsys.readouterr().out
     assert f"speedup {np.mean(BASE_TIMES) / np.mean(TIMES):.4f}x; time diff" in out
+    assert "\nfaster than the baseline: yes (p = " in out  # the headline's ratio comes with its verdict
     assert "time ratio" not in out and "step count differs" not in out and "target_val_loss differs" not in out
     md = (good_runs / "statistics.md").read_text()
     assert "Speedup (baseline mean time / runs mean time)" in md and "other step counts" not in md
