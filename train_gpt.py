@@ -2407,20 +2407,28 @@ EXIT_ERROR, EXIT_CONFIG, EXIT_DATA_RAN_OUT, EXIT_DIVERGED = 1, 2, 3, 4
 
 
 class Interrupted(Exception):
-    """SIGINT or SIGTERM arrived outside the training loop (set-up, compilation, warmup).
+    """SIGINT or SIGTERM arrived before the training loop (set-up, compilation, warmup), or came
+    again in the loop (StopSignals says when).
     rank_alone: set where a signal that reached only some ranks in set-up ends them all."""
     rank_alone = None
 
 
 class StopSignals:
-    """SIGINT and SIGTERM, once main() installs this. Inside the training loop a signal is only
-    recorded: the loop stops at its next check, which every rank reaches at the same step, so all
-    of them leave the process group together. Elsewhere it raises Interrupted at once. Under
-    torchrun a rank gets Ctrl-C twice (from the terminal, then forwarded), so repeats are ignored."""
+    """SIGINT and SIGTERM, once main() installs this. In set-up and warmup a signal raises
+    Interrupted at once. In the training loop it is announced and recorded: the loop stops at its
+    next check, which every rank reaches at the same step, so all of them leave the process group
+    together; a second signal, a second or more later (the user insisting), raises Interrupted
+    mid-step. Under torchrun a rank gets Ctrl-C twice within milliseconds (from the terminal, then
+    forwarded), so an earlier repeat is ignored. After the loop a signal changes nothing."""
+    FORWARDED_WITHIN_S = 1.0
 
-    def __init__(self):
+    def __init__(self, announce=True):
+        self.announce = announce  # one process per machine prints what happens next
+        self.phase = "set-up"  # then "loop" (until_text says when a signal stops it), then "end"
+        self.until_text = ""
         self.signum = None
-        self.deferred = False
+        self.first_at = None
+        self.aborted = False  # a repeat in the loop raised Interrupted mid-step
         self._previous = {}
 
     def install(self):
@@ -2434,10 +2442,16 @@ class StopSignals:
             signal.signal(signum, handler)
 
     def _on_signal(self, signum, frame):
-        if self.signum is not None:
-            return
-        self.signum = signum
-        if not self.deferred:
+        now = time.monotonic()
+        if self.signum is None:
+            self.signum, self.first_at = signum, now
+            if self.phase == "set-up":
+                raise Interrupted()
+            if self.phase == "loop" and self.announce:  # os.write: print() may be mid-write in the main thread
+                name = signal.Signals(signum).name
+                os.write(1, f"{name}: the run stops {self.until_text} ({name} again to stop at once)\n".encode())
+        elif self.phase == "loop" and not self.aborted and now - self.first_at >= self.FORWARDED_WITHIN_S:
+            self.aborted = True
             raise Interrupted()
 
 
@@ -2614,7 +2628,9 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
                 checkpoint = None  # unmaps the file: its weights and optimizer state are copied in now
             synchronize(hw)
             t0 = time.perf_counter()
-            stop.deferred = True  # from here on a signal ends the run at the next check, on every rank
+            stop.phase = "loop"  # from here on a signal ends the run at the next check, on every rank
+            stop.until_text = ("after this step" if ranks.world_size == 1 else
+                               f"at its next check, within {args.check_every} steps")
             while True:
                 last_step = step == N or result.stopped_early is not None
                 if last_step or step % args.check_every == 0 or (ranks.world_size == 1 and stop.signum):
@@ -2659,10 +2675,13 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
                     on_step(step, model, optimizer)
         except Exception as e:  # a late failure (bad shard, out of memory, lost rank, bug): one line, a complete log
             # A signal in warmup, which main() reports; the compiler may have wrapped its Interrupted.
-            if stop.signum is not None and not stop.deferred:
+            if stop.signum is not None and stop.phase == "set-up":
                 raise Interrupted() from None
             where = f"rank {ranks.rank}: " if ranks.world_size > 1 else ""  # perhaps this rank's alone
-            if isinstance(e, (DataError, CheckpointError)):  # its line says all: which file, what is wrong
+            if stop.aborted:  # the user insisted: this rank ends mid-step (the others wherever theirs reached them)
+                name = signal.Signals(stop.signum).name
+                result.failure = f"interrupted at step {step}/{N} ({name} twice: stopped mid-step)"
+            elif isinstance(e, (DataError, CheckpointError)):  # its line says all: which file, what is wrong
                 result.failure = f"{where}{e}"
             else:
                 if not getattr(log, "path", None) or getattr(log, "error", None):  # no log file to hold the traceback
@@ -2670,9 +2689,11 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
                 log(traceback.format_exc().rstrip(), console=False)
                 result.failure = f"{where}failed at step {step}/{N}: {type(e).__name__}: {first_line(e)}"
                 result.traceback_logged = True
-            result.exit_code, result.crashed = EXIT_ERROR, True
+            result.exit_code, result.crashed = 128 + stop.signum if stop.aborted else EXIT_ERROR, True
+        stop.phase = "end"
         if result.failure and (result.exit_code != EXIT_ERROR or result.crashed):
-            log(result.failure, console=not result.crashed)  # main() prints a crash (on every rank) and a failed write
+            # main() prints a crash's line (on every rank) and a failed write's
+            log(result.failure, console=result.exit_code != EXIT_ERROR)
         if args.save_checkpoint and result.failure is None:  # the clock stopped at the final validation
             result.checkpoint_error = save_checkpoint(checkpoint_path, step, training_time_ms, args, ranks, model,
                                                       optimizer, batches, result, log)
@@ -2972,7 +2993,7 @@ def main(argv=None, environ=None):
         print("set by the environment: " + ", ".join(f"{name.upper()}={environ[name.upper()]}"
                                                      for name in sorted(from_environment)), flush=True)
     log = RunLog(args, ranks)
-    stop = StopSignals()
+    stop = StopSignals(announce=ranks.local_rank == 0)
     stop.install()
     try:
         init_process_group(args, ranks, hw)
@@ -2993,7 +3014,7 @@ def main(argv=None, environ=None):
         if dist.is_initialized():
             dist.destroy_process_group()
         stop.uninstall()
-    if result.crashed:  # every rank that failed says so; rank 0's traceback is in the log
+    if result.crashed and result.exit_code == EXIT_ERROR:  # every rank that failed says so; the log has the traceback
         in_log = f" (traceback in {log.path})" if result.traceback_logged and log.path and not log.error else ""
         print(f"train_gpt.py: error: {result.failure}{in_log}", file=sys.stderr)
         return EXIT_ERROR

@@ -70,7 +70,7 @@ _KEY_VALUE_RE = re.compile(r"^([A-Za-z_][A-Za-z0-9_.]*)=(.*)$")
 # "interrupted at step 0/N", a crash in the first validation with "failed at step 0/N: ..."
 # ("rank R: failed ..." on a multi-GPU run).
 _ENDED_RE = re.compile(
-    r"^(interrupted at step \d+/\d+ \(SIG\w+\)|diverged at step \d+/\d+: .*|stopping early at step \d+/\d+"
+    r"^(interrupted at step \d+/\d+ \(SIG\w+(?: twice: stopped mid-step)?\)|diverged at step \d+/\d+: .*|stopping early at step \d+/\d+"
     r"|(?:rank \d+: )?failed at step \d+/\d+: .*)"
 )
 # A line of Python source: the public logs replace the source by one line saying it was omitted.

@@ -314,6 +314,60 @@ def test_rank_killed_by_a_signal_is_named_in_one_line(tmp_path, make_shards):
     assert re.match(r"(rank 0: failed|interrupted) at step \d+/1000", body[-2]) and PEAK.match(body[-1]), body[-3:]
 
 
+def signalled_in_process(tmp_path, make_shards, monkeypatch, where, call, pause_s):
+    """main() in this process, sent SIGINT twice, pause_s apart, from inside the call-th call of
+    `where` (a function of train_gpt that the run calls); returns main()'s exit status and the log's lines."""
+    train_glob, val_glob, _ = make_shards()
+    log_dir = tmp_path / "records"
+    monkeypatch.setattr(train_gpt.StopSignals, "FORWARDED_WITHIN_S", 0.2)
+    original = getattr(train_gpt, where)
+    calls = []
+
+    def signalled(*args):
+        calls.append(args)
+        if len(calls) == call:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(pause_s)
+            os.kill(os.getpid(), signal.SIGINT)
+        return original(*args)
+    monkeypatch.setattr(train_gpt, where, signalled)
+    argv = tiny_argv(train_files=train_glob, val_files=val_glob, log_dir=log_dir, num_iterations=20, val_every=0)
+    status = train_gpt.main(argv, {})
+    assert len(calls) >= call
+    return status, only_log(log_dir).splitlines()
+
+
+def test_ctrl_c_is_acknowledged_at_once_and_a_second_one_stops_the_step(tmp_path, make_shards, monkeypatch, capfd):
+    """The first Ctrl-C waits for the next check (seconds on one GPU, minutes under the Triton
+    interpreter): the console says so at once, and a second one stops the run mid-step."""
+    status, body = signalled_in_process(tmp_path, make_shards, monkeypatch, "lr_factor_at", 3, pause_s=0.3)
+    assert status == 130
+    assert body[-2] == "interrupted at step 2/20 (SIGINT twice: stopped mid-step)" and PEAK.match(body[-1])
+    assert "step:3/20" not in "\n".join(body)
+    out, err = capfd.readouterr()
+    assert err == ""  # no traceback
+    lines = out.splitlines()
+    notice = lines.index("SIGINT: the run stops after this step (SIGINT again to stop at once)")
+    assert lines[notice - 1].startswith("step:2/20 train_time") and lines[-2:] == body[-2:]
+
+
+def test_ctrl_c_forwarded_by_torchrun_is_not_a_second_one(tmp_path, make_shards, monkeypatch, capfd):
+    """torchrun passes the terminal's Ctrl-C on to ranks that have it already: that copy, within
+    FORWARDED_WITHIN_S, leaves the run to stop at its check, after the step."""
+    status, body = signalled_in_process(tmp_path, make_shards, monkeypatch, "lr_factor_at", 3, pause_s=0)
+    assert status == 130
+    assert body[-3].startswith("step:3/20 train_time")
+    assert body[-2] == "interrupted at step 3/20 (SIGINT)" and PEAK.match(body[-1])
+    assert capfd.readouterr().err == ""
+
+
+def test_ctrl_c_after_the_last_step_changes_nothing(tmp_path, make_shards, monkeypatch, capfd):
+    status, body = signalled_in_process(tmp_path, make_shards, monkeypatch, "peak_memory_line", 1, pause_s=0.3)
+    assert status == 0 and PEAK.match(body[-1]) and body[-2].startswith("step:20/20 val_loss:")
+    out, err = capfd.readouterr()
+    assert err == "" and "SIGINT" not in out
+
+
 # ------------------------------------------------------------------------------ log directory and disk
 
 def test_log_dir_that_root_cannot_write_is_a_config_error(tmp_path, capsys):
