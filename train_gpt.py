@@ -1600,12 +1600,13 @@ class ShardedMuonAdam:
 
 
 def muon_apply(params, update, lr, decay, cautious):
-    """New parameter values: p - lr*update, with decoupled weight decay (optionally cautious:
-    only where update and parameter have the same sign, i.e. where the step already shrinks p)."""
+    """New parameter values: p - lr*update (lr: a tensor, one value per matrix), with decoupled
+    weight decay (optionally cautious: only where update and parameter have the same sign, i.e.
+    where the step already shrinks p)."""
     if decay:
         mask = (update * params >= 0).to(params.dtype) if cautious else 1.0
         params = params - decay * params * mask
-    return params - lr * update
+    return params.addcmul(update, -lr)  # as the record's p.add_(v, alpha=-lr): one rounding (a fused multiply-add)
 
 
 def normuon_normalize(update, second_moment, beta2, eps=1e-10):
