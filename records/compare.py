@@ -420,6 +420,12 @@ def load_folder(path: str | Path) -> RecordFolder:
         folder.warnings.append(f"{folder.label}: all {len(folder.usable)} runs have the same validation losses: "
                                "one run repeated (the same --seed on a deterministic device, such as a CPU); "
                                "the loss statistics say nothing about its spread: vary --seed")
+    else:
+        seeds = {r.config.get("seed") for r in folder.usable}
+        if len(folder.usable) > 1 and len(seeds) == 1 and None not in seeds:
+            folder.warnings.append(f"{folder.label}: all {len(folder.usable)} runs used seed {seeds.pop()}: they "
+                                   "start from the same weights, so the loss statistics leave out the spread over "
+                                   "initialisations (the record's runs each drew their own): vary --seed")
     return folder
 
 

@@ -771,6 +771,16 @@ def test_repeats_of_one_deterministic_run_are_warned_about(tmp_path):
     assert compare.load_folder(tmp_path / "final_only").warnings == []
 
 
+def test_runs_of_one_seed_are_warned_about(tmp_path):
+    """The record seeds nothing, so its runs start from different weights; ours from --seed's."""
+    write_logs(tmp_path / "one_seed", [with_settings(make_log(loss), seed=0) for loss in LOSSES[:3]])
+    [warning] = compare.load_folder(tmp_path / "one_seed").warnings
+    assert warning.startswith("one_seed: all 3 runs used seed 0: they start from the same weights") and \
+        warning.endswith("vary --seed")
+    write_logs(tmp_path / "seeds", [with_settings(make_log(loss), seed=i) for i, loss in enumerate(LOSSES[:3])])
+    assert compare.load_folder(tmp_path / "seeds").warnings == []
+
+
 def test_the_plot_shows_every_validation_after_step_0():
     """CPU runs end near 5.7: a top fixed near the final loss showed only the last point."""
     run = compare.parse_log_text(make_log(5.68, steps=120))
