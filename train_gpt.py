@@ -2047,10 +2047,10 @@ def long_window_blocks_at(step, args):
 # a BOS token; the next window starts at the first BOS at or after the end of the previous one's
 # inputs, so no token is an input twice and the tokens skipped between windows are only the tail
 # of a document. As in the record, a step's windows come from one shard: a step starts in the next
-# shard when fewer than 2 x (windows per step) x seq_len tokens are left, and the rest of the
-# shard is dropped. Windows are numbered globally and rank r takes windows r, r+W, r+2W, ...:
-# the data a step sees is the same for every world size (and the record's token stream). The
-# next shard is read by a background thread.
+# shard when at most 2 x (windows per step) x seq_len + 1 tokens are left from the BOS it would
+# start at, and the rest of the shard is dropped. Windows are numbered globally and rank r takes
+# windows r, r+W, r+2W, ...: the data a step sees is the same for every world size (and the
+# record's token stream). The next shard is read by a background thread.
 
 SHARD_MAGIC, SHARD_VERSION, SHARD_HEADER_INTS = 20240520, 1, 256
 SHARD_HEADER_BYTES = SHARD_HEADER_INTS * 4
