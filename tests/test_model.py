@@ -2,13 +2,14 @@
 FP8 head against a full-precision reference."""
 
 import math
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import train_gpt
-from conftest import TINY
+from conftest import ROOT, TINY
 
 
 def tiny_model(**overrides):
@@ -377,3 +378,18 @@ def test_gradient_communication_starts_with_the_head():
     assert launched[0] == ["lm_head_w"]
     assert positions == sorted(positions, reverse=True)
     assert sorted(sum(launched[-2:], [])) == ["embed.weight", "value_embeds.0.weight"]
+
+
+def test_fp8_backward_in_the_records_orientation_gives_the_same_gradients():
+    """bench/fp8_head.py times the record's (x^T g)^T beside ours: the same values, other strides."""
+    sys.path.insert(0, str(ROOT))
+    from bench.fp8_head import backward_record_orientation  # noqa: E402
+    torch.manual_seed(0)
+    scales = train_gpt.fp8_head_scales(32)
+    x = train_gpt.rms_norm(torch.randn(64, 32)).bfloat16()
+    _, x8, w8 = train_gpt._fp8_mm_forward(x, torch.randn(48, 32) * 0.1, *scales[:2])
+    grad = (torch.rand(64, 48) * 2 - 1).bfloat16()
+    ours, record = train_gpt._fp8_mm_backward(grad, x8, w8, *scales), backward_record_orientation(grad, x8, w8, *scales)
+    assert torch.equal(ours[0], record[0])
+    torch.testing.assert_close(ours[1], record[1], rtol=1e-6, atol=1e-6)  # one GEMM's sums in another order
+    assert ours[1].is_contiguous() and record[1].mT.is_contiguous()
