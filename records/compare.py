@@ -342,7 +342,7 @@ def _exclude_minority(runs: list[RunLog], attribute: str, what: str) -> None:
     if len(counts) < 2:
         return
     if counts[0][1] == counts[1][1]:
-        split = ", ".join(f"{_unknown_if_none(value)}: {n} run(s)" for value, n in counts)
+        split = ", ".join(f"{_unknown_if_none(value)}: {runs_count(n)}" for value, n in counts)
         for run in usable:
             run.problems.append(f"{what} split evenly with no majority ({split}); split the folder")
         return
@@ -411,7 +411,7 @@ def load_folder(path: str | Path) -> RecordFolder:
     if len(codes) > 1:
         folder.warnings.append(f"{folder.label}: the runs were made by {len(codes)} different versions of the "
                                "training script (the source each log starts with: "
-                               + ", ".join(f"{n} run{'s' * (n > 1)}" for _, n in codes.most_common())
+                               + ", ".join(runs_count(n) for _, n in codes.most_common())
                                + "); kept, but their statistics mix code versions")
     # Two validations after step 0 at least: step 0's loss is ln(50304) for every seed, and two
     # final losses alone may agree to 4 decimals by chance.
@@ -429,6 +429,10 @@ def load_folder(path: str | Path) -> RecordFolder:
     return folder
 
 
+def runs_count(n: int) -> str:
+    return f"{n} run" + "s" * (n != 1)
+
+
 def config_differences(runs: list[RunLog]) -> str:
     """The header settings (other than names, seeds and paths) whose values differ among runs that
     state a configuration, e.g. "muon_lr (0.05: 3 runs, 0.04: 1 run)"; "" if none."""
@@ -438,7 +442,7 @@ def config_differences(runs: list[RunLog]) -> str:
     for key in keys:
         counts = Counter(config.get(key, "(absent)") for config in configs).most_common()
         if len(counts) > 1:
-            parts.append(f"{key} (" + ", ".join(f"{value}: {n} run{'s' * (n > 1)}" for value, n in counts) + ")")
+            parts.append(f"{key} (" + ", ".join(f"{value}: {runs_count(n)}" for value, n in counts) + ")")
     return ", ".join(parts)
 
 
@@ -506,7 +510,7 @@ def baseline_warnings(runs: RecordFolder, baseline: RecordFolder) -> list[str]:
     if shared := [(r, baseline_by_output[r.run_hash]) for r in runs.usable if r.run_hash in baseline_by_output]:
         run, twin = shared[0]
         found.append(
-            f"{len(shared)} run(s) are in both folders (identical training output, e.g. {runs.label}/{run.name}"
+            f"{runs_count(len(shared))} in both folders (identical training output, e.g. {runs.label}/{run.name}"
             f" and {baseline.label}/{twin.name}); the comparison is not between independent runs"
         )
     runs_started = sorted(r.started for r in runs.usable if r.started)
@@ -761,7 +765,7 @@ def render_statistics(
             ("software", Counter(r.software for r in folder.usable)),
         ):
             for value, n in sorted(values.items()):
-                out.append(f"- {folder.label}: {what} {value}: {n} run(s)")
+                out.append(f"- {folder.label}: {what} {value}: {runs_count(n)}")
     out.append("")
     return "\n".join(out)
 

@@ -423,8 +423,8 @@ def test_main_writes_statistics_and_plot(good_runs, baseline_runs, capsys):
         assert path.stem in md
     warnings_section = md.split("## Warnings")[1].split("##")[0]
     assert warnings_section.count("\n- ") == 1 and "excluded: unfinished" in warnings_section
-    assert "hardware 8x NVIDIA H100 80GB HBM3: 6 run(s)" in md
-    assert "software Python 3.11.7, PyTorch 2.13.0+cu128 (CUDA 12.8), Triton 3.9.0: 6 run(s)" in md
+    assert "hardware 8x NVIDIA H100 80GB HBM3: 6 runs" in md
+    assert "software Python 3.11.7, PyTorch 2.13.0+cu128 (CUDA 12.8), Triton 3.9.0: 6 runs" in md
     assert (good_runs / "val_loss_vs_time.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not (baseline_runs / "statistics.md").exists()
     assert {p: p.read_bytes() for p in good_runs.glob("*.txt")} == logs_before
@@ -740,7 +740,7 @@ def test_a_run_in_both_folders_is_warned_about(good_runs, baseline_runs):
     copied = sorted(good_runs.glob("*.txt"))[0]
     shutil.copy(copied, baseline_runs / "copy.txt")
     found = compare.baseline_warnings(compare.load_folder(good_runs), compare.load_folder(baseline_runs))
-    assert found == [f"1 run(s) are in both folders (identical training output, e.g. 2026-01-01_myidea/{copied.name}"
+    assert found == [f"1 run in both folders (identical training output, e.g. 2026-01-01_myidea/{copied.name}"
                      " and 2026-01-01_baseline/copy.txt); the comparison is not between independent runs"]
 
 
