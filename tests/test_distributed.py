@@ -265,6 +265,39 @@ def test_world_size_one_issues_no_collective(equivalence_runs):
     assert not dist.is_initialized()
 
 
+# The speedrun's layout at a CPU's width: 12 blocks, no attention in block 7, 3 value embeddings,
+# 8 micro-batches over 8 ranks, Muon buckets of 8 matrices (the 11 gates: a second bucket where 5
+# ranks own only padding; the 11 qkvo parameters' 44 matrices: 4 of padding in the sixth bucket).
+SPEEDRUN_LAYOUT = dict(EQUIVALENCE, micro_batches=8, num_iterations=4, num_layers=12, attention_free_layers="7",
+                       num_value_embeds=3, window_pattern="LSSSLSSLSSSL", muon_bucket_matrices=8, vocab_size=50304)
+
+
+def test_eight_ranks_train_the_speedrun_layout_as_one_process_does(tmp_path):
+    from conftest import synthetic_documents
+    import numpy as np
+    from shards import write_shard
+    rng = np.random.default_rng(8)
+    write_shard(tmp_path / "d_val_000000.bin", synthetic_documents(rng, 2_000))
+    write_shard(tmp_path / "d_train_000001.bin", synthetic_documents(rng, 30_000))
+    argv = tiny_argv(train_files=str(tmp_path / "d_train_*.bin"), val_files=str(tmp_path / "d_val_*.bin"),
+                     **SPEEDRUN_LAYOUT)
+    single, eight = run_world(1, argv, tmp_path), run_world(8, argv, tmp_path)
+    assert single["losses"][-1] < single["losses"][0] - 0.1  # it is training, not idling
+    assert eight["losses"] == pytest.approx(single["losses"], rel=LOSS_RTOL)
+    bounds = movement_bounds(argv)
+    assert set(bounds) == set(single["params"]) == set(eight["params"])
+    for name, value in single["params"].items():
+        torch.testing.assert_close(eight["params"][name], value, atol=MOVEMENT_FRACTION * bounds[name], rtol=0,
+                                   msg=lambda m: f"{name}: {m}")
+    assert max(eight["rank_spread"]) == 0.0
+    assert eight["muon_padding_matrices"] == 5 + 4  # gates 11 = 8 + 3 (+5); qkvo 44 = 5 x 8 + 4 (+4); MLP 24
+    per_step = eight["sent_bytes"][0]
+    assert eight["sent_bytes"] == [per_step * (i + 1) for i in range(SPEEDRUN_LAYOUT["num_iterations"])]
+    ring = 2 * 7 * (eight["param_bytes"] + eight["padding_bytes"]) // 8
+    assert per_step == pytest.approx(ring, abs=64)
+    assert eight["state_bytes"] < 1.1 * single["state_bytes"] / 8 + 64 * 1024
+
+
 def main_worker(rank, world_size, port, argv_per_rank, out_dir):
     os.environ.update(rank_env(rank, world_size, port))
     torch.set_num_threads(1)
