@@ -1305,9 +1305,12 @@ class ShardedMuonAdam:
                 start, local = start + b.padded, local + b.per_rank
             group["owned"] = self._owned_slots(group)
             group["real"] = [i for i, slot in enumerate(group["owned"]) if slot is not None]
-            # Made once: a host-to-device copy each step would make the host wait for the GPU.
-            group["lr_scale"] = torch.tensor([slot.lr_scale if slot else 0.0 for slot in group["owned"]],
-                                             device=device)[:, None, None]
+            # One number where the rank's matrices share it (the speedrun's do), applied as the
+            # record applies it; else one per matrix (a fork's tall and wide matrices of one shape),
+            # made once: a host-to-device copy each step would make the host wait for the GPU.
+            scales = {slot.lr_scale for slot in group["owned"] if slot} or {0.0}  # or only padding
+            group["lr_scale"] = scales.pop() if len(scales) == 1 else torch.tensor(
+                [slot.lr_scale if slot else 0.0 for slot in group["owned"]], device=device)[:, None, None]
             self.muon_groups.append(group)
             units += buckets
 
@@ -1600,13 +1603,15 @@ class ShardedMuonAdam:
 
 
 def muon_apply(params, update, lr, decay, cautious):
-    """New parameter values: p - lr*update (lr: a tensor, one value per matrix), with decoupled
-    weight decay (optionally cautious: only where update and parameter have the same sign, i.e.
-    where the step already shrinks p)."""
+    """New parameter values: p - lr*update (lr: a number, or a tensor of one per matrix), with
+    decoupled weight decay (optionally cautious: only where update and parameter have the same
+    sign, i.e. where the step already shrinks p)."""
     if decay:
         mask = (update * params >= 0).to(params.dtype) if cautious else 1.0
         params = params - decay * params * mask
-    return params.addcmul(update, -lr)  # as the record's p.add_(v, alpha=-lr): one rounding (a fused multiply-add)
+    if isinstance(lr, torch.Tensor):
+        return params - lr * update
+    return torch.add(params, update, alpha=-lr)  # the record's p.add_(v, alpha=-lr): one rounding, a fused multiply-add
 
 
 def normuon_normalize(update, second_moment, beta2, eps=1e-10):

@@ -55,7 +55,7 @@ def test_normuon_divides_columns_by_their_rms_and_keeps_the_norm():
 def test_cautious_weight_decay_only_where_signs_agree():
     params = torch.tensor([[1.0, -1.0, 2.0, -2.0]])
     update = torch.tensor([[0.5, 0.5, -0.5, -0.5]])
-    lr, decay = torch.tensor(0.1), 0.2
+    lr, decay = 0.1, 0.2
     plain = train_gpt.muon_apply(params, update, lr, decay, cautious=False)
     cautious = train_gpt.muon_apply(params, update, lr, decay, cautious=True)
     torch.testing.assert_close(plain, params * (1 - decay) - lr * update)
@@ -66,14 +66,21 @@ def test_cautious_weight_decay_only_where_signs_agree():
 
 def test_muon_step_rounds_as_the_record_does():
     """The record's p.add_(v, alpha=-lr) rounds once (a fused multiply-add where the hardware has
-    one); p - lr*v rounds lr*v first, and differs in the last bit in about 4% of entries."""
+    one); p - lr*v rounds lr*v first, and differs in the last bit in about 4% of entries. The
+    optimizer passes one number where a rank's matrices share their learning rate."""
     generator = torch.Generator().manual_seed(0)
     params = torch.randn(4, 64, 192, generator=generator)
     update = torch.randn(4, 64, 192, generator=generator).bfloat16().float()  # as Newton-Schulz returns it
     lr = 0.05 * 0.61 * max(1, 64 / 192) ** 0.5
     record = params.clone().add_(update, alpha=-lr)  # record 9d9dc969, Muon.step
-    lr_per_matrix = torch.full((4, 1, 1), lr)  # as ShardedMuonAdam passes it
-    assert torch.equal(train_gpt.muon_apply(params, update, lr_per_matrix, 0.0, cautious=False), record)
+    assert torch.equal(train_gpt.muon_apply(params, update, lr, 0.0, cautious=False), record)
+    # a learning rate per matrix (tall and wide matrices of one shape in a fork): within rounding
+    lr_per_matrix = torch.tensor([lr, 2 * lr, lr, 2 * lr])[:, None, None]
+    torch.testing.assert_close(train_gpt.muon_apply(params, update, lr_per_matrix, 0.0, cautious=False),
+                               params - lr_per_matrix * update)
+    args, hw, model = perturbed_tiny_model()
+    optimizer = train_gpt.ShardedMuonAdam(train_gpt.param_specs(model, args), args, train_gpt.Ranks(), hw)
+    assert all(isinstance(group["lr_scale"], float) for group in optimizer.muon_groups)  # the record's op
 
 
 def test_schedules():
