@@ -139,7 +139,7 @@ class Hyperparameters:
     warmup_steps: int = 10              # untimed compile/kernel warmup steps, then state reset
     check_every: int = 10               # steps between checks for a non-finite loss or a stop signal (one host-GPU sync)
     device: str = "auto"                # auto, cuda or cpu
-    threads: int = 0                    # CPU threads per process (0: cores / local processes)
+    threads: int = 0                    # CPU threads per process (0: cores / local processes); orders sums
     dist_timeout_s: int = 900           # a dead rank raises after this long instead of hanging
     # checkpoints and sampling (section 9)
     save_checkpoint: bool = False       # write <run_id>.pt beside the log at the end of training
