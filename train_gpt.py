@@ -293,6 +293,8 @@ def parse_config(argv, environ, world_size=1, cuda_available=None):
         check_config(args, world_size, cuda_available)
     except ConfigError as e:
         if not help_requested:
+            if args.resume or args.sample:
+                check_against_checkpoint(args, set(cli) | from_environment)
             raise
         refusal = named_as_set(str(e), argv, environ)
         raise HelpRequested(f"{config_help(args, cuda_available, from_environment)}\n"
@@ -2919,10 +2921,15 @@ MODEL_FIELDS = ("vocab_size", "num_layers", "model_dim", "num_heads", "head_dim"
                 "window_growth_tokens", "bf16_embeds", "train_seq_len", "val_seq_len", "num_iterations")
 
 
-def sample_main(args, set_fields=()):
-    """--sample PATH: print the continuation of --prompt on stdout, and what made it on stderr.
-    set_fields: the fields the command line or the environment set. The model and its windows
-    come from the checkpoint, so a set field that would change them is refused, not ignored."""
+def check_against_checkpoint(args, set_fields):
+    """With --resume or --sample, a set field that the checkpoint's configuration contradicts is the
+    mistake to name (parse_config asks first where the field also fails its own check: --num_layers 6
+    is "resume/sample takes num_layers=4", not the window pattern that no longer fits). Returns
+    --sample's checkpoint and the configuration it was trained with."""
+    if args.resume:
+        read_checkpoint(args.resume, "resume", args)
+    if not args.sample:
+        return None, None
     checkpoint = read_checkpoint(args.sample, "sample")
     known = {f.name for f in dataclasses.fields(Hyperparameters)}
     unknown = sorted(checkpoint["config"].keys() - known)
@@ -2935,6 +2942,14 @@ def sample_main(args, set_fields=()):
         raise ConfigError(", ".join(f"--{name}" for name in ignored) + f": --sample takes the configuration of "
                           f"{args.sample!r}, which has " + ", ".join(f"{n}={getattr(trained, n)!r}" for n in ignored)
                           + "; leave the option out")
+    return checkpoint, trained
+
+
+def sample_main(args, set_fields=()):
+    """--sample PATH: print the continuation of --prompt on stdout, and what made it on stderr.
+    set_fields: the fields the command line or the environment set. The model and its windows
+    come from the checkpoint, so a set field that would change them is refused, not ignored."""
+    checkpoint, trained = check_against_checkpoint(args, set_fields)
     if args.threads:
         torch.set_num_threads(args.threads)
     # The device --device picks; dense attention and the plain head for one growing sequence.

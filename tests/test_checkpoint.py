@@ -411,6 +411,25 @@ def test_sampling_refuses_options_that_would_change_the_checkpoints_model(single
            "--threads", "1", "--micro_batches", "2", "--muon_lr", "0.1")
 
 
+@pytest.mark.parametrize("option", ["sample", "resume"])
+def test_a_model_option_that_also_fails_its_own_check_is_named_against_the_checkpoint(single, option, capsys):
+    """--num_layers 6 makes the 4-letter window pattern wrong too; the user set num_layers, and the
+    checkpoint is what it contradicts."""
+    path = single["step3"]
+    argv = (single["argv"] if option == "resume" else []) + [f"--{option}={path}", "--num_layers=6"]
+    assert train_gpt.main(argv, {}) == train_gpt.EXIT_CONFIG
+    err = capsys.readouterr().err
+    if option == "sample":
+        assert err == (f"train_gpt.py: error: --num_layers: --sample takes the configuration of '{path}', which has "
+                       "num_layers=4; leave the option out\n")
+    else:
+        assert err == (f"train_gpt.py: error: --resume={str(path)!r}: trained with a different configuration: "
+                       "num_layers=4 there, 6 here\n")
+    # where the checkpoint has no say, the option's own check speaks
+    assert train_gpt.main(argv[:-1] + ["--temperature=-1", "--val_every=-1"], {}) == train_gpt.EXIT_CONFIG
+    assert capsys.readouterr().err == "train_gpt.py: error: --val_every=-1: must not be negative\n"
+
+
 def test_sampling_from_an_untrained_model_runs():
     args = train_gpt.parse_config(tiny_argv(), {}, 1, False)
     hw = train_gpt.Hardware.detect(args)
