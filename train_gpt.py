@@ -209,6 +209,10 @@ class ConfigError(ValueError):
     """A bad configuration value; the message is one line naming the field."""
 
 
+class CheckpointMismatch(ConfigError):
+    """A set field that the --resume or --sample checkpoint's configuration contradicts."""
+
+
 def first_line(error):
     """An exception in one line, for the one-line messages a failure ends with."""
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
@@ -293,8 +297,12 @@ def parse_config(argv, environ, world_size=1, cuda_available=None):
         check_config(args, world_size, cuda_available)
     except ConfigError as e:
         if not help_requested:
-            if args.resume or args.sample:
+            try:
                 check_against_checkpoint(args, set(cli) | from_environment)
+            except CheckpointMismatch:
+                raise
+            except ConfigError:
+                pass  # a checkpoint that cannot be read is named once the options are right
             raise
         refusal = named_as_set(str(e), argv, environ)
         raise HelpRequested(f"{config_help(args, cuda_available, from_environment)}\n"
@@ -2832,7 +2840,7 @@ def read_checkpoint(path, option, args=None):
         differ = [name for name in sorted((saved.keys() | here.keys()) - RESUME_FREE_FIELDS)
                   if saved.get(name, "(absent)") != here.get(name, "(absent)")]
         if differ:
-            raise ConfigError(f"--{option}={path!r}: trained with a different configuration: " + ", ".join(
+            raise CheckpointMismatch(f"--{option}={path!r}: trained with a different configuration: " + ", ".join(
                 f"{n}={saved.get(n, '(absent)')!r} there, {here.get(n, '(absent)')!r} here" for n in differ))
         if checkpoint["step"] >= args.num_iterations:
             raise ConfigError(f"--{option}={path!r}: saved at the run's last step ({checkpoint['step']}/"
@@ -2923,9 +2931,9 @@ MODEL_FIELDS = ("vocab_size", "num_layers", "model_dim", "num_heads", "head_dim"
 
 def check_against_checkpoint(args, set_fields):
     """With --resume or --sample, a set field that the checkpoint's configuration contradicts is the
-    mistake to name (parse_config asks first where the field also fails its own check: --num_layers 6
-    is "resume/sample takes num_layers=4", not the window pattern that no longer fits). Returns
-    --sample's checkpoint and the configuration it was trained with."""
+    mistake to name (CheckpointMismatch; parse_config asks first where the field also fails its own
+    check: --num_layers 6 against a 4-block checkpoint is that, not the window pattern that no
+    longer fits). Returns --sample's checkpoint and the configuration it was trained with."""
     if args.resume:
         read_checkpoint(args.resume, "resume", args)
     if not args.sample:
@@ -2939,7 +2947,7 @@ def check_against_checkpoint(args, set_fields):
     trained = Hyperparameters(**checkpoint["config"])
     ignored = [name for name in MODEL_FIELDS if name in set_fields and getattr(args, name) != getattr(trained, name)]
     if ignored:
-        raise ConfigError(", ".join(f"--{name}" for name in ignored) + f": --sample takes the configuration of "
+        raise CheckpointMismatch(", ".join(f"--{name}" for name in ignored) + f": --sample takes the configuration of "
                           f"{args.sample!r}, which has " + ", ".join(f"{n}={getattr(trained, n)!r}" for n in ignored)
                           + "; leave the option out")
     return checkpoint, trained
