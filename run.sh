@@ -21,7 +21,8 @@ done
 nnodes=${NNODES:-1}
 nproc=${NPROC:-}
 [ "${nproc:-1}" -ge 1 ] && [ "$nnodes" -ge 1 ] || fail "NPROC and NNODES must be at least 1"
-gpus=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())")
+# (Ctrl-C while torch loads: the default action, no traceback)
+gpus=$("$PYTHON" -c "import signal; signal.signal(signal.SIGINT, signal.SIG_DFL); import torch; print(torch.cuda.device_count())")
 if [ "$gpus" -eq 0 ]; then
     nproc=${nproc:-1}
     if [ "$nproc" -eq 1 ] && [ "$nnodes" -eq 1 ]; then
@@ -64,6 +65,7 @@ import logging
 import os
 import signal
 import sys
+signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C while torch loads: no traceback (torchrun sets its own)
 user_level = os.environ.get("TORCH_CPP_LOG_LEVEL")
 os.environ["TORCH_CPP_LOG_LEVEL"] = user_level or "FATAL"  # this process: no C++ trace of a store timeout
 from torch.distributed.elastic.multiprocessing.api import SignalException

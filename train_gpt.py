@@ -42,6 +42,9 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+if __name__ == "__main__":  # Ctrl-C while torch loads (seconds) ends the program quietly, not in a traceback
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
 import numpy as np
 import torch
 import torch.distributed as dist

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import train_gpt
-from conftest import ROOT, TINY, tiny_argv
+from conftest import ROOT, TINY, sigint_as_at_a_terminal, tiny_argv
 
 PEAK = re.compile(r"^peak memory allocated: \d+ MiB reserved: \d+ MiB$")
 
@@ -261,6 +261,20 @@ def test_signal_ends_the_run_with_one_line(tmp_path, make_shards, signum, wait_f
     last = out.strip().splitlines()[-2:]
     assert re.fullmatch(rf"interrupted at step {step}/1000 \({name}\)", last[0]) and PEAK.match(last[1])
     assert only_log(log_dir).splitlines()[-2:] == last
+
+
+@pytest.mark.parametrize("command", [(sys.executable, str(ROOT / "train_gpt.py")), (str(ROOT / "run.sh"),)],
+                         ids=["train_gpt.py", "run.sh"])
+def test_ctrl_c_while_torch_loads_ends_without_a_traceback(tmp_path, command):
+    """The first second or two go to importing torch (run.sh: to asking it for the GPU count),
+    before main() watches signals: Ctrl-C there ends the program as it ends any command."""
+    proc = subprocess.Popen(command, cwd=tmp_path, env=dict(os.environ, PYTHON=sys.executable),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=sigint_as_at_a_terminal)
+    time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode in (-signal.SIGINT, 128 + signal.SIGINT) and err == "", err[-2000:]
 
 
 def test_interrupting_a_torchrun_group_stops_every_rank_at_the_same_step(tmp_path, make_shards):
