@@ -365,8 +365,8 @@ def config_help(args, cuda_available, from_environment=()):
             text += f" (set by {f.name.upper()} in the environment)"
         lines.append(f"  {setting.ljust(width)}{f.type.__name__:6} {text}".rstrip())
     if trains_on_sample(args):
-        lines.append(f"No FineWeb shards in {os.path.join(REPO_DIR, 'data/fineweb10B')}: this run reads the embedded "
-                     f"sample, {', '.join(SAMPLE_FILES)}.")
+        lines.append(f"FineWeb's shards are not all in {os.path.join(REPO_DIR, 'data/fineweb10B')}: this run reads "
+                     f"the embedded sample, {', '.join(SAMPLE_FILES)}.")
     return "\n".join(lines)
 
 
@@ -2282,17 +2282,21 @@ def resolve_data_files(args):
     paths lie in this repository, wherever it is run from; the cpu preset falls back to the
     embedded sample when neither is given and the FineWeb shards are not there."""
     given = (args.train_files, args.val_files)
-    train, val = (os.path.join(REPO_DIR, p) if p == default else p for p, default in zip(given, FINEWEB_FILES))
-    note = f"data: training on {train}, validating on {val}"
-    hints = [f" (FineWeb, the default of --{option}: run `python data/cached_fineweb10B.py`, or set --{option})"
-             if text == default else ""
-             for option, text, default in zip(("train_files", "val_files"), given, FINEWEB_FILES)]
+    defaults = [p == default for p, default in zip(given, FINEWEB_FILES)]
+    patterns = [os.path.join(REPO_DIR, p) if is_default else p for p, is_default in zip(given, defaults)]
+    note = f"data: training on {patterns[0]}, validating on {patterns[1]}"
+    hints = [f" (FineWeb, the default of --{option}: run `python data/cached_fineweb10B.py`, or set --{option}"
+             + ("; the embedded sample stands in only where neither option is set)" if args.preset == "cpu" else ")")
+             if is_default else "" for option, is_default in zip(("train_files", "val_files"), defaults)]
     if trains_on_sample(args):
-        train, val = (os.path.join(REPO_DIR, p) for p in SAMPLE_FILES)
-        note = ("data: no FineWeb shards in data/fineweb10B/; training on the embedded sample in data/sample/ "
-                "(CPython documentation text, see data/sample/MANIFEST.json)")
+        patterns = [os.path.join(REPO_DIR, p) for p in SAMPLE_FILES]
+        note = ("data: FineWeb's shards are not all in data/fineweb10B/; training on the embedded sample in "
+                "data/sample/ (CPython documentation text, see data/sample/MANIFEST.json)")
         hints = ["", ""]
-    return find_shards(train, "training", hints[0]), find_shards(val, "validation", hints[1]), note
+    # A pattern the user gave is looked at first: a typo there is likelier than a missing download.
+    order = sorted(range(2), key=lambda i: defaults[i])
+    found = {i: find_shards(patterns[i], ("training", "validation")[i], hints[i]) for i in order}
+    return found[0], found[1], note
 
 
 def data_shortfall(files, args):

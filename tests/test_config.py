@@ -139,7 +139,7 @@ def test_help_with_values_that_are_refused_says_so_last():
 
 def test_help_says_when_the_cpu_preset_reads_the_embedded_sample(monkeypatch):
     monkeypatch.setattr(train_gpt, "REPO_DIR", "/nonexistent")  # no FineWeb there
-    note = "No FineWeb shards in /nonexistent/data/fineweb10B: this run reads the embedded sample, "
+    note = "FineWeb's shards are not all in /nonexistent/data/fineweb10B: this run reads the embedded sample, "
     assert help_text(["--help", "--preset", "cpu"])[-1].startswith(note)
     for argv in (["--train_files", "x"], ["--val_files", "x"], ["--preset", "speedrun"]):
         assert not any(line.startswith("No FineWeb") for line in help_text(["--help", "--preset", "cpu", *argv]))

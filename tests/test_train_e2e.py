@@ -201,6 +201,21 @@ def test_cpu_preset_falls_back_to_the_sample_only_without_fineweb(tmp_path, make
         train_gpt.resolve_data_files(train_only)
 
 
+def test_one_data_option_given_is_checked_first_and_the_other_default_explained(tmp_path, monkeypatch):
+    """Without FineWeb, --val_files alone: a typo in it is named first; a right one leaves the
+    training default, which the sample no longer stands in for, and the error says why."""
+    monkeypatch.setattr(train_gpt, "REPO_DIR", str(tmp_path))  # a checkout without data/fineweb10B
+    typo = train_gpt.parse_config(["--preset", "cpu", "--val_files", str(tmp_path / "vall_*.bin")], {}, 1, False)
+    with pytest.raises(train_gpt.DataError, match=r"vall_\*\.bin: no validation shards match$"):
+        train_gpt.resolve_data_files(typo)
+    (tmp_path / "v_000000.bin").write_bytes((ROOT / "data" / "sample" / "sample_val_000000.bin").read_bytes())
+    right = train_gpt.parse_config(["--preset", "cpu", "--val_files", str(tmp_path / "v_*.bin")], {}, 1, False)
+    with pytest.raises(train_gpt.DataError, match=r"fineweb_train_\*\.bin: no training shards match \(FineWeb, the "
+                       r"default of --train_files: .*, or set --train_files; the embedded sample stands in only "
+                       r"where neither option is set\)$"):
+        train_gpt.resolve_data_files(right)
+
+
 def test_bad_token_in_a_late_shard_stops_before_training(make_shards):
     train_glob, val_glob, (trains, _) = make_shards(train_sizes=(5_000, 5_000, 5_000))
     last = sorted(Path(train_glob).parent.glob("syn_train_*.bin"))[-1]
