@@ -75,8 +75,12 @@ _ENDED_RE = re.compile(
 )
 # A line of Python source: the public logs replace the source by one line saying it was omitted.
 _CODE_RE = re.compile(r"^(import|from|def|class) ")
-# Header settings that may differ between runs of one configuration: names, seeds, where files lie.
-IGNORED_CONFIG = frozenset({"run_name", "seed", "log_dir", "train_files", "val_files"})
+# Header settings that may differ between runs of one configuration: names, seeds, where files lie,
+# and what changes neither the training nor its clock (checkpoints are written with the clock
+# stopped; sampling options and the rendezvous timeout act outside training).
+IGNORED_CONFIG = frozenset({"run_name", "seed", "log_dir", "train_files", "val_files", "save_checkpoint",
+                            "checkpoint_every", "dist_timeout_s", "sample", "prompt", "max_new_tokens",
+                            "temperature", "top_k"})
 
 
 class FolderError(Exception):

@@ -670,6 +670,11 @@ def test_same_configuration_gives_no_warning(tmp_path):
     write_logs(folder, [with_settings(make_log(l), muon_lr=0.05, seed=i, train_files=f"/data{i}/x.bin")
                         for i, l in enumerate(LOSSES[:3])])
     assert compare.load_folder(folder).warnings == []
+    # checkpoints are written with the clock stopped: saving them is no other configuration
+    write_logs(tmp_path / "saved", [with_settings(make_log(l), seed=i, save_checkpoint=i == 0,
+                                                  checkpoint_every=40 * (i == 0), dist_timeout_s=900 + i)
+                                    for i, l in enumerate(LOSSES[:3])])
+    assert compare.load_folder(tmp_path / "saved").warnings == []
 
 
 def test_configuration_differing_from_the_baseline_is_listed(tmp_path):
