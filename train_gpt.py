@@ -246,7 +246,7 @@ def _parse_value(option, text, kind):
             return True
         if lowered in ("0", "false", "no", "off"):
             return False
-        raise ConfigError(f"{option}={text!r}: expected a boolean (true/false/1/0)")
+        raise ConfigError(f"{option}={text!r}: expected a boolean (true/false, 1/0, yes/no, on/off)")
     try:
         return kind(text)
     except ValueError:

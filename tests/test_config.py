@@ -43,6 +43,12 @@ def test_booleans(value, expected):
     assert parse(["--compile", value]).compile is expected
 
 
+def test_a_bad_boolean_is_refused_naming_every_accepted_spelling():
+    with pytest.raises(train_gpt.ConfigError) as error:
+        parse(["--compile", "maybe"])
+    assert str(error.value) == "--compile='maybe': expected a boolean (true/false, 1/0, yes/no, on/off)"
+
+
 BAD = [
     (["--bogus", "1"], {}, 1, "--bogus"),
     (["--num_layer", "3"], {}, 1, "did you mean --num_layers"),
