@@ -80,7 +80,7 @@ _CODE_RE = re.compile(r"^(import|from|def|class) ")
 # stopped; sampling options and the rendezvous timeout act outside training).
 IGNORED_CONFIG = frozenset({"run_name", "seed", "log_dir", "train_files", "val_files", "save_checkpoint",
                             "checkpoint_every", "dist_timeout_s", "sample", "prompt", "max_new_tokens",
-                            "temperature", "top_k"})
+                            "temperature", "top_k", "resume"})  # a resumed run is warned about on its own
 
 
 class FolderError(Exception):
@@ -335,6 +335,16 @@ def _exclude_duplicates(runs: list[RunLog]) -> None:
             first_by_run.setdefault(run.run_hash, run)
 
 
+def _exclude_resumed_twins(runs: list[RunLog]) -> None:
+    """A run resumed from another's checkpoint (written beside that run's log, named by its run
+    id) repeats that run's steps after the checkpoint: where both logs are here, the first is kept."""
+    by_id = {r.run_id: r for r in runs if r.usable}
+    for run in runs:
+        original = by_id.get(Path(run.config.get("resume") or "").stem)
+        if run.usable and original is not None and original is not run:
+            run.problems.append(f"duplicate: resumes {original.name} from its checkpoint")
+
+
 def _unknown_if_none(value) -> str:
     return "unknown" if value is None else str(value)
 
@@ -399,12 +409,17 @@ def load_folder(path: str | Path) -> RecordFolder:
             run.problems.append(f"unreadable: {error.strerror or error}")
             runs.append(run)
     _exclude_duplicates(runs)
+    _exclude_resumed_twins(runs)
     _exclude_minority(runs, "total_steps", "step count")
     _exclude_minority(runs, "hardware", "hardware")
     folder = RecordFolder(path=path, runs=runs)
     for run in folder.excluded:
         folder.warnings.append(f"{folder.label}/{run.name}: excluded: {'; '.join(run.problems)}")
     _note_minority_software(folder)
+    for run in folder.usable:
+        if run.config.get("resume"):
+            folder.warnings.append(f"{folder.label}/{run.name}: resumed from {run.config['resume']}; kept, but its "
+                                   "set-up and warmup ran twice: not a record run")
     names = {r.run_name for r in folder.usable if r.run_name is not None}
     if len(names) > 1:
         folder.warnings.append(f"{folder.label}: logs state different run_name values: {', '.join(sorted(names))}")

@@ -776,6 +776,24 @@ def test_repeats_of_one_deterministic_run_are_warned_about(tmp_path):
     assert compare.load_folder(tmp_path / "final_only").warnings == []
 
 
+def test_a_run_resumed_from_another_runs_checkpoint_is_not_a_second_run(tmp_path):
+    """--resume records/<date>_x/<run_id>.pt continues run_id's run: with both logs in the folder,
+    its steps after the checkpoint would count twice. Alone, it is kept with a warning."""
+    folder = tmp_path / "runs"
+    [original] = write_logs(folder, [with_settings(make_log(LOSSES[0]), seed=0)])
+    resumed_text = with_settings(make_log(LOSSES[0] + 0.0002), seed=0, resume=f"records/x/{original.stem}.pt")
+    [resumed] = write_logs(folder, [resumed_text])
+    write_logs(folder, [with_settings(make_log(loss), seed=i) for i, loss in enumerate(LOSSES[1:3], 1)])
+    loaded = compare.load_folder(folder)
+    assert resumed.name not in {r.name for r in loaded.usable} and len(loaded.usable) == 3
+    assert loaded.warnings == [f"runs/{resumed.name}: excluded: duplicate: resumes {original.name} from its checkpoint"]
+    original.unlink()
+    loaded = compare.load_folder(folder)
+    assert len(loaded.usable) == 3 and loaded.warnings == [
+        f"runs/{resumed.name}: resumed from records/x/{original.stem}.pt; kept, but its set-up and warmup ran twice: "
+        "not a record run"]
+
+
 def test_runs_of_one_seed_are_warned_about(tmp_path):
     """The record seeds nothing, so its runs start from different weights; ours from --seed's."""
     write_logs(tmp_path / "one_seed", [with_settings(make_log(loss), seed=0) for loss in LOSSES[:3]])
