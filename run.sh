@@ -22,7 +22,8 @@ nnodes=${NNODES:-1}
 nproc=${NPROC:-}
 [ "${nproc:-1}" -ge 1 ] && [ "$nnodes" -ge 1 ] || fail "NPROC and NNODES must be at least 1"
 # (Ctrl-C while torch loads: the default action, no traceback)
-gpus=$("$PYTHON" -c "import signal; signal.signal(signal.SIGINT, signal.SIG_DFL); import torch; print(torch.cuda.device_count())")
+gpus=$("$PYTHON" -c "import signal; signal.signal(signal.SIGINT, signal.SIG_DFL)
+import torch; print(torch.cuda.device_count())")
 if [ "$gpus" -eq 0 ]; then
     nproc=${nproc:-1}
     if [ "$nproc" -eq 1 ] && [ "$nnodes" -eq 1 ]; then

@@ -16,6 +16,11 @@ The file reads top to bottom the way data flows through a run:
 `import train_gpt` has no side effects: tests import its pieces; `main()` runs only as a script.
 """
 
+import signal
+
+if __name__ == "__main__":  # Ctrl-C while the imports load (seconds, torch) ends the program quietly, as
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # any command, until main() watches signals itself
+
 import ctypes
 import dataclasses
 import datetime
@@ -31,7 +36,6 @@ import os
 import platform
 import re
 import resource
-import signal
 import subprocess
 import sys
 import threading
@@ -41,9 +45,6 @@ import traceback
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-
-if __name__ == "__main__":  # Ctrl-C while torch loads (seconds) ends the program quietly, not in a traceback
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 import numpy as np
 import torch
@@ -304,8 +305,8 @@ def parse_config(argv, environ, world_size=1, cuda_available=None):
                 check_against_checkpoint(args, set(cli) | from_environment)
             except CheckpointMismatch:
                 raise
-            except ConfigError:
-                pass  # a checkpoint that cannot be read is named once the options are right
+            except Exception:  # a checkpoint that cannot be read is named once the options are right
+                pass
             raise
         refusal = named_as_set(str(e), argv, environ)
         raise HelpRequested(f"{config_help(args, cuda_available, from_environment)}\n"
@@ -2440,18 +2441,21 @@ class StopSignals:
     """SIGINT and SIGTERM, once main() installs this. In set-up and warmup a signal raises
     Interrupted at once. In the training loop it is announced and recorded: the loop stops at its
     next check, which every rank reaches at the same step, so all of them leave the process group
-    together; a second signal, a second or more later (the user insisting), raises Interrupted
-    mid-step. Under torchrun a rank gets Ctrl-C twice within milliseconds (from the terminal, then
-    forwarded), so an earlier repeat is ignored. After the loop a signal changes nothing."""
+    together. A second signal there (the user insisting; under torchrun, the SIGTERM that a second
+    Ctrl-C makes it send) raises Interrupted mid-step, unless it is the same signal within
+    FORWARDED_WITHIN_S: a launcher passing on one this process got too (scancel signals every
+    process of a job). After the loop a signal is announced and changes nothing. One more after
+    that, or after a stop mid-step, takes the signal's default action at once, so a clean-up that
+    hangs can still be stopped."""
     FORWARDED_WITHIN_S = 1.0
 
     def __init__(self, announce=True):
-        self.announce = announce  # one process per machine prints what happens next
+        self.announce = announce  # one process per machine says what happens next
         self.phase = "set-up"  # then "loop" (until_text says when a signal stops it), then "end"
         self.until_text = ""
-        self.signum = None
+        self.signum = None  # the first signal
         self.first_at = None
-        self.aborted = False  # a repeat in the loop raised Interrupted mid-step
+        self.repeat = None  # the signal that stopped the loop mid-step
         self._previous = {}
 
     def install(self):
@@ -2470,12 +2474,26 @@ class StopSignals:
             self.signum, self.first_at = signum, now
             if self.phase == "set-up":
                 raise Interrupted()
-            if self.phase == "loop" and self.announce:  # os.write: print() may be mid-write in the main thread
-                name = signal.Signals(signum).name
-                os.write(1, f"{name}: the run stops {self.until_text} ({name} again to stop at once)\n".encode())
-        elif self.phase == "loop" and not self.aborted and now - self.first_at >= self.FORWARDED_WITHIN_S:
-            self.aborted = True
+            name = signal.Signals(signum).name
+            what = self.until_text if self.phase == "loop" else "is ending"
+            if self.announce:
+                try:  # os.write: print() may be in the middle of a write in the main thread
+                    os.write(1, f"{name}: the run {what} ({name} again to stop at once)\n".encode())
+                except OSError:  # the console has gone (`| tee`, ended by the same Ctrl-C)
+                    pass
+        elif signum == self.signum and now - self.first_at < self.FORWARDED_WITHIN_S:
+            return
+        elif self.phase == "loop" and self.repeat is None:
+            self.repeat = signum
             raise Interrupted()
+        else:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+    def stopped_mid_step(self):
+        """The last line's reason where a second signal stopped the loop mid-step."""
+        first, repeat = signal.Signals(self.signum).name, signal.Signals(self.repeat).name
+        return f"{first} twice" if first == repeat else f"{first} then {repeat}"
 
 
 def peak_memory_line(hw):
@@ -2652,8 +2670,8 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
             synchronize(hw)
             t0 = time.perf_counter()
             stop.phase = "loop"  # from here on a signal ends the run at the next check, on every rank
-            stop.until_text = ("after this step" if ranks.world_size == 1 else
-                               f"at its next check, within {args.check_every} steps")
+            stop.until_text = ("stops after this step" if ranks.world_size == 1 else
+                               f"stops at its next check, within {args.check_every} steps")
             while True:
                 last_step = step == N or result.stopped_early is not None
                 if last_step or step % args.check_every == 0 or (ranks.world_size == 1 and stop.signum):
@@ -2661,6 +2679,8 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
                     if ending:
                         result.failure, result.exit_code = ending
                         break
+                if last_step:
+                    stop.phase = "end"  # its last validation: a signal now changes nothing
                 if last_step or (args.val_every > 0 and step % args.val_every == 0):
                     synchronize(hw)
                     training_time_ms += 1000 * (time.perf_counter() - t0)
@@ -2697,13 +2717,13 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
                 if on_step is not None:
                     on_step(step, model, optimizer)
         except Exception as e:  # a late failure (bad shard, out of memory, lost rank, bug): one line, a complete log
+            phase, stop.phase = stop.phase, "end"  # first, before any call: no signal may raise from here on
             # A signal in warmup, which main() reports; the compiler may have wrapped its Interrupted.
-            if stop.signum is not None and stop.phase == "set-up":
+            if stop.signum is not None and phase == "set-up":
                 raise Interrupted() from None
             where = f"rank {ranks.rank}: " if ranks.world_size > 1 else ""  # perhaps this rank's alone
-            if stop.aborted:  # the user insisted: this rank ends mid-step (the others wherever theirs reached them)
-                name = signal.Signals(stop.signum).name
-                result.failure = f"interrupted at step {step}/{N} ({name} twice: stopped mid-step)"
+            if stop.repeat is not None:  # the user insisted: this rank ends mid-step, the others where theirs are
+                result.failure = f"interrupted at step {step}/{N} ({stop.stopped_mid_step()}: stopped mid-step)"
             elif isinstance(e, (DataError, CheckpointError)):  # its line says all: which file, what is wrong
                 result.failure = f"{where}{e}"
             else:
@@ -2712,7 +2732,7 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
                 log(traceback.format_exc().rstrip(), console=False)
                 result.failure = f"{where}failed at step {step}/{N}: {type(e).__name__}: {first_line(e)}"
                 result.traceback_logged = True
-            result.exit_code, result.crashed = 128 + stop.signum if stop.aborted else EXIT_ERROR, True
+            result.exit_code, result.crashed = 128 + stop.signum if stop.repeat is not None else EXIT_ERROR, True
         stop.phase = "end"
         if result.failure and (result.exit_code != EXIT_ERROR or result.crashed):
             # main() prints a crash's line (on every rank) and a failed write's

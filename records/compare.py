@@ -70,8 +70,8 @@ _KEY_VALUE_RE = re.compile(r"^([A-Za-z_][A-Za-z0-9_.]*)=(.*)$")
 # "interrupted at step 0/N", a crash in the first validation with "failed at step 0/N: ..."
 # ("rank R: failed ..." on a multi-GPU run).
 _ENDED_RE = re.compile(
-    r"^(interrupted at step \d+/\d+ \(SIG\w+(?: twice: stopped mid-step)?\)|diverged at step \d+/\d+: .*|stopping early at step \d+/\d+"
-    r"|(?:rank \d+: )?failed at step \d+/\d+: .*)"
+    r"^(interrupted at step \d+/\d+ \(SIG\w+(?:(?: twice| then SIG\w+): stopped mid-step)?\)"
+    r"|diverged at step \d+/\d+: .*|stopping early at step \d+/\d+|(?:rank \d+: )?failed at step \d+/\d+: .*)"
 )
 # A line of Python source: the public logs replace the source by one line saying it was omitted.
 _CODE_RE = re.compile(r"^(import|from|def|class) ")

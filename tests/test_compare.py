@@ -565,7 +565,10 @@ PEAK_LINE = "peak memory allocated: 33278 MiB reserved: 48994 MiB\n"
 @pytest.mark.parametrize("ending, problem", [
     ("interrupted at step 19/20 (SIGINT)", "interrupted at step 19/20 (SIGINT)"),
     ("interrupted at step 10/20 (SIGTERM)", "interrupted at step 10/20 (SIGTERM)"),
-    ("interrupted at step 11/20 (SIGINT twice: stopped mid-step)", "interrupted at step 11/20 (SIGINT twice: stopped mid-step)"),
+    ("interrupted at step 11/20 (SIGINT twice: stopped mid-step)", "interrupted at step 11/20 (SIGINT twice: "
+     "stopped mid-step)"),
+    ("interrupted at step 11/20 (SIGINT then SIGTERM: stopped mid-step)", "interrupted at step 11/20 (SIGINT then "
+     "SIGTERM: stopped mid-step)"),
     ("diverged at step 13/20: train loss is nan (stopped at step 19)",
      "diverged at step 13/20: train loss is nan (stopped at step 19)"),
     ("stopping early at step 19/20: training data ran out after 7 windows", "stopping early at step 19/20"),

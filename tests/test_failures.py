@@ -275,6 +275,7 @@ def test_ctrl_c_while_torch_loads_ends_without_a_traceback(tmp_path, command):
     os.killpg(proc.pid, signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode in (-signal.SIGINT, 128 + signal.SIGINT) and err == "", err[-2000:]
+    assert out == ""  # before the trainer's own handler, which would say "interrupted at step 0/..."
 
 
 def test_interrupting_a_torchrun_group_stops_every_rank_at_the_same_step(tmp_path, make_shards):
@@ -328,9 +329,10 @@ def test_rank_killed_by_a_signal_is_named_in_one_line(tmp_path, make_shards):
     assert re.match(r"(rank 0: failed|interrupted) at step \d+/1000", body[-2]) and PEAK.match(body[-1]), body[-3:]
 
 
-def signalled_in_process(tmp_path, make_shards, monkeypatch, where, call, pause_s):
-    """main() in this process, sent SIGINT twice, pause_s apart, from inside the call-th call of
-    `where` (a function of train_gpt that the run calls); returns main()'s exit status and the log's lines."""
+def signalled_in_process(tmp_path, make_shards, monkeypatch, where, call, pause_s, then=signal.SIGINT):
+    """main() in this process, sent SIGINT and then `then`, pause_s apart, from inside the call-th
+    call of `where` (a function of train_gpt that the run calls); returns main()'s exit status and
+    the log's lines."""
     train_glob, val_glob, _ = make_shards()
     log_dir = tmp_path / "records"
     monkeypatch.setattr(train_gpt.StopSignals, "FORWARDED_WITHIN_S", 0.2)
@@ -342,7 +344,7 @@ def signalled_in_process(tmp_path, make_shards, monkeypatch, where, call, pause_
         if len(calls) == call:
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(pause_s)
-            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), then)
         return original(*args)
     monkeypatch.setattr(train_gpt, where, signalled)
     argv = tiny_argv(train_files=train_glob, val_files=val_glob, log_dir=log_dir, num_iterations=20, val_every=0)
@@ -365,9 +367,9 @@ def test_ctrl_c_is_acknowledged_at_once_and_a_second_one_stops_the_step(tmp_path
     assert lines[notice - 1].startswith("step:2/20 train_time") and lines[-2:] == body[-2:]
 
 
-def test_ctrl_c_forwarded_by_torchrun_is_not_a_second_one(tmp_path, make_shards, monkeypatch, capfd):
-    """torchrun passes the terminal's Ctrl-C on to ranks that have it already: that copy, within
-    FORWARDED_WITHIN_S, leaves the run to stop at its check, after the step."""
+def test_a_signal_passed_on_by_a_launcher_is_not_a_second_one(tmp_path, make_shards, monkeypatch, capfd):
+    """scancel signals every process of a job, and torchrun passes the same signal on: that copy,
+    within FORWARDED_WITHIN_S, leaves the run to stop at its check, after the step."""
     status, body = signalled_in_process(tmp_path, make_shards, monkeypatch, "lr_factor_at", 3, pause_s=0)
     assert status == 130
     assert body[-3].startswith("step:3/20 train_time")
@@ -375,11 +377,33 @@ def test_ctrl_c_forwarded_by_torchrun_is_not_a_second_one(tmp_path, make_shards,
     assert capfd.readouterr().err == ""
 
 
+def test_another_signal_soon_after_is_a_second_one(tmp_path, make_shards, monkeypatch, capfd):
+    """A second Ctrl-C makes torchrun send SIGTERM to ranks it has sent SIGINT: at once, mid-step."""
+    status, body = signalled_in_process(tmp_path, make_shards, monkeypatch, "lr_factor_at", 3, pause_s=0,
+                                        then=signal.SIGTERM)
+    assert status == 130
+    assert body[-2] == "interrupted at step 2/20 (SIGINT then SIGTERM: stopped mid-step)" and PEAK.match(body[-1])
+    assert capfd.readouterr().err == ""
+
+
 def test_ctrl_c_after_the_last_step_changes_nothing(tmp_path, make_shards, monkeypatch, capfd):
-    status, body = signalled_in_process(tmp_path, make_shards, monkeypatch, "peak_memory_line", 1, pause_s=0.3)
+    status, body = signalled_in_process(tmp_path, make_shards, monkeypatch, "peak_memory_line", 1, pause_s=0)
     assert status == 0 and PEAK.match(body[-1]) and body[-2].startswith("step:20/20 val_loss:")
     out, err = capfd.readouterr()
-    assert err == "" and "SIGINT" not in out
+    assert err == "" and "SIGINT: the run is ending (SIGINT again to stop at once)" in out.splitlines()
+
+
+@pytest.mark.parametrize("phase, repeat", [("end", None), ("loop", signal.SIGINT)])
+def test_insisting_once_more_takes_the_signals_default_action(monkeypatch, phase, repeat):
+    """After the loop, or after a stop mid-step, the clean-up might hang: one more signal ends the
+    process the way the signal does by default."""
+    done = []
+    monkeypatch.setattr(train_gpt.signal, "signal", lambda signum, handler: done.append(("handler", signum, handler)))
+    monkeypatch.setattr(train_gpt.os, "kill", lambda pid, signum: done.append(("kill", pid, signum)))
+    stop = train_gpt.StopSignals(announce=False)
+    stop.phase, stop.signum, stop.first_at, stop.repeat = phase, signal.SIGINT, time.monotonic() - 5, repeat
+    stop._on_signal(signal.SIGINT, None)
+    assert done == [("handler", signal.SIGINT, signal.SIG_DFL), ("kill", os.getpid(), signal.SIGINT)]
 
 
 # ------------------------------------------------------------------------------ log directory and disk
