@@ -10,10 +10,11 @@ call returns: a host sync shows up here), whether the compiled outputs equal the
 for bit, and their strides (the ops' fake functions promise row-major outputs; tests/test_model.py
 checks the fakes against the real ops on CPU). They are not equal: eager
 rounds x / scale to bfloat16 before the float8 cast, compiled code casts the fp32 quotient
-(tests/test_model.py bounds both against full precision). A third row times the backward with the
-weight gradient in the record's orientation, (x^T g)^T, "faster than g^T x" for (50304, 768) by
-the record's comment: the same copies and the other GEMM, its result column-major (the trainer's
-op promises row-major, like the weight, so switching would change its fake too). CUDA only.
+(tests/test_model.py bounds both against full precision). Two more rows time the backward's
+weight-gradient GEMM alone, with its transposed copies: ours, g^T x, and the record's orientation,
+(x^T g)^T, "faster than g^T x" for (50304, 768) by the record's comment. Its result is
+column-major (the trainer's op promises row-major, like the weight, so switching would change its
+fake too). CUDA only.
 
 Usage: python bench/fp8_head.py [--tokens 49152] [--iters 10]
 """
@@ -48,15 +49,18 @@ def time_calls(fn, iters):
     return start.elapsed_time(end) / iters, host_ms, result
 
 
-def backward_record_orientation(grad, x8, w8, x_scale, w_scale, grad_scale):
-    """train_gpt._fp8_mm_backward with grad_w = (x^T g)^T, the record's form (column-major)."""
-    scale = functools.partial(grad.new_tensor, dtype=torch.float32)
-    g8 = grad.div(grad_scale).to(torch.float8_e5m2)
-    grad_x = torch._scaled_mm(g8, w8.T.contiguous().T, out_dtype=torch.bfloat16, scale_a=scale(grad_scale),
-                              scale_b=scale(w_scale), use_fast_accum=False)
-    grad_w = torch._scaled_mm(x8.T.contiguous(), g8.T.contiguous().T, out_dtype=torch.float32,
-                              scale_a=scale(x_scale), scale_b=scale(grad_scale), use_fast_accum=False).T
-    return grad_x, grad_w
+def weight_gradient(g8, x8, x_scale, grad_scale):
+    """The backward's weight gradient as train_gpt.py computes it, g^T x: row-major like the weight."""
+    scale = functools.partial(g8.new_tensor, dtype=torch.float32)
+    return (torch._scaled_mm(g8.T.contiguous(), x8.T.contiguous().T, out_dtype=torch.float32,
+                             scale_a=scale(grad_scale), scale_b=scale(x_scale), use_fast_accum=False),)
+
+
+def weight_gradient_as_the_record(g8, x8, x_scale, grad_scale):
+    """The record's form, (x^T g)^T ("faster than grad_f8_t @ x_f8" by its comment): column-major."""
+    scale = functools.partial(g8.new_tensor, dtype=torch.float32)
+    return (torch._scaled_mm(x8.T.contiguous(), g8.T.contiguous().T, out_dtype=torch.float32,
+                             scale_a=scale(x_scale), scale_b=scale(grad_scale), use_fast_accum=False).T,)
 
 
 def main(argv=None):
@@ -74,10 +78,12 @@ def main(argv=None):
     w = torch.randn(V, D, device="cuda") * 0.02
     grad = (torch.rand(T, V, device="cuda") * 2 - 1).bfloat16()  # a soft-capped logit's gradient is in [-1, 1]
     _, x8, w8 = train_gpt._fp8_mm_forward(x, w, x_scale, w_scale)
+    g8 = grad.div(grad_scale).to(torch.float8_e5m2)
     calls = {
         "forward": (train_gpt._fp8_mm_forward, (x, w, x_scale, w_scale)),
         "backward": (train_gpt._fp8_mm_backward, (grad, x8, w8, x_scale, w_scale, grad_scale)),
-        "backward, record's grad_w": (backward_record_orientation, (grad, x8, w8, x_scale, w_scale, grad_scale)),
+        "its grad_w, ours": (weight_gradient, (g8, x8, x_scale, grad_scale)),
+        "its grad_w, the record's": (weight_gradient_as_the_record, (g8, x8, x_scale, grad_scale)),
     }
     print(f"FP8 head, {T} tokens x {D} -> {V}, {torch.cuda.get_device_name()}, torch {torch.__version__}")
     print(f"{'body':26} {'form':9} {'GPU ms':>8} {'host ms':>8}  outputs equal to eager  strides")

@@ -380,16 +380,18 @@ def test_gradient_communication_starts_with_the_head():
     assert sorted(sum(launched[-2:], [])) == ["embed.weight", "value_embeds.0.weight"]
 
 
-def test_fp8_backward_in_the_records_orientation_gives_the_same_gradients():
-    """bench/fp8_head.py times the record's (x^T g)^T beside ours: the same values, other strides."""
+def test_fp8_weight_gradient_in_the_records_orientation_is_ours_transposed_in_memory():
+    """bench/fp8_head.py times the record's (x^T g)^T beside ours, g^T x: the same values, other strides."""
     sys.path.insert(0, str(ROOT))
-    from bench.fp8_head import backward_record_orientation  # noqa: E402
+    from bench.fp8_head import weight_gradient, weight_gradient_as_the_record  # noqa: E402
     torch.manual_seed(0)
-    scales = train_gpt.fp8_head_scales(32)
+    x_scale, w_scale, grad_scale = train_gpt.fp8_head_scales(32)
     x = train_gpt.rms_norm(torch.randn(64, 32)).bfloat16()
-    _, x8, w8 = train_gpt._fp8_mm_forward(x, torch.randn(48, 32) * 0.1, *scales[:2])
+    _, x8, w8 = train_gpt._fp8_mm_forward(x, torch.randn(48, 32) * 0.1, x_scale, w_scale)
     grad = (torch.rand(64, 48) * 2 - 1).bfloat16()
-    ours, record = train_gpt._fp8_mm_backward(grad, x8, w8, *scales), backward_record_orientation(grad, x8, w8, *scales)
-    assert torch.equal(ours[0], record[0])
-    torch.testing.assert_close(ours[1], record[1], rtol=1e-6, atol=1e-6)  # one GEMM's sums in another order
-    assert ours[1].is_contiguous() and record[1].mT.is_contiguous()
+    g8 = grad.div(grad_scale).to(torch.float8_e5m2)
+    [ours], [record] = weight_gradient(g8, x8, x_scale, grad_scale), weight_gradient_as_the_record(g8, x8, x_scale,
+                                                                                                   grad_scale)
+    assert torch.equal(ours, train_gpt._fp8_mm_backward(grad, x8, w8, x_scale, w_scale, grad_scale)[1])  # the trainer's
+    torch.testing.assert_close(record, ours, rtol=1e-6, atol=1e-6)  # one GEMM's sums in another order
+    assert ours.is_contiguous() and record.mT.is_contiguous()
