@@ -1625,7 +1625,7 @@ def muon_apply(params, update, lr, decay, cautious):
         params = params - decay * params * mask
     if isinstance(lr, torch.Tensor):
         return params - lr * update
-    return torch.add(params, update, alpha=-lr)  # the record's p.add_(v, alpha=-lr): one rounding, a fused multiply-add
+    return torch.add(params, update, alpha=-lr)  # the record's p.add_(v, alpha=-lr): one rounding (an FMA)
 
 
 def normuon_normalize(update, second_moment, beta2, eps=1e-10):
