@@ -217,6 +217,16 @@ class CheckpointMismatch(ConfigError):
     """A set field that the --resume or --sample checkpoint's configuration contradicts."""
 
 
+def say(text, file=None):
+    """print(), where a console that has gone (`| head`, or `| tee` that the same Ctrl-C ended) is
+    no error: later output, and the flush at exit, go nowhere."""
+    file = file or sys.stdout
+    try:
+        print(text, file=file, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), file.fileno())
+
+
 def first_line(error):
     """An exception in one line, for the one-line messages a failure ends with."""
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
@@ -576,6 +586,14 @@ class Ranks:
         if problem:
             raise ConfigError(f"{problem} in the environment")
         return ranks
+
+
+def die_with_the_launcher(environ):
+    """Under torchrun, a rank that outlived its launcher (killed, or ended by a third Ctrl-C that no
+    longer waits for its processes) would hold its GPU until the dist timeout: Linux kills it along."""
+    if "TORCHELASTIC_RUN_ID" in environ and sys.platform.startswith("linux"):
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 class RankMismatch(RuntimeError):
@@ -2339,9 +2357,9 @@ class RunLog:
         if self.path is None:
             return
         if not self.started and self.echo:
-            print(f"logging to {self.path}", flush=True)
+            say(f"logging to {self.path}")
         if console and self.echo:
-            print(text, flush=True)
+            say(text)
         if self.error is None:
             try:
                 self._append(text)
@@ -2442,11 +2460,11 @@ class StopSignals:
     Interrupted at once. In the training loop it is announced and recorded: the loop stops at its
     next check, which every rank reaches at the same step, so all of them leave the process group
     together. A second signal there (the user insisting; under torchrun, the SIGTERM that a second
-    Ctrl-C makes it send) raises Interrupted mid-step, unless it is the same signal within
-    FORWARDED_WITHIN_S: a launcher passing on one this process got too (scancel signals every
-    process of a job). After the loop a signal is announced and changes nothing. One more after
-    that, or after a stop mid-step, takes the signal's default action at once, so a clean-up that
-    hangs can still be stopped."""
+    Ctrl-C makes it send) raises Interrupted mid-step. After the loop a signal is announced and
+    changes nothing. One more after that, or after a stop mid-step, takes the signal's default
+    action at once, so a clean-up that hangs can still be stopped. The same signal again within
+    FORWARDED_WITHIN_S of one acted on is a copy, ignored: scancel signals every process of a job,
+    and torchrun passes the signal on too."""
     FORWARDED_WITHIN_S = 1.0
 
     def __init__(self, announce=True):
@@ -2454,8 +2472,8 @@ class StopSignals:
         self.phase = "set-up"  # then "loop" (until_text says when a signal stops it), then "end"
         self.until_text = ""
         self.signum = None  # the first signal
-        self.first_at = None
         self.repeat = None  # the signal that stopped the loop mid-step
+        self._last = (None, 0.0)  # the last signal acted on, and when
         self._previous = {}
 
     def install(self):
@@ -2470,8 +2488,11 @@ class StopSignals:
 
     def _on_signal(self, signum, frame):
         now = time.monotonic()
+        if signum == self._last[0] and now - self._last[1] < self.FORWARDED_WITHIN_S:
+            return  # a copy of the signal just acted on
+        self._last = (signum, now)
         if self.signum is None:
-            self.signum, self.first_at = signum, now
+            self.signum = signum
             if self.phase == "set-up":
                 raise Interrupted()
             name = signal.Signals(signum).name
@@ -2481,8 +2502,6 @@ class StopSignals:
                     os.write(1, f"{name}: the run {what} ({name} again to stop at once)\n".encode())
                 except OSError:  # the console has gone (`| tee`, ended by the same Ctrl-C)
                     pass
-        elif signum == self.signum and now - self.first_at < self.FORWARDED_WITHIN_S:
-            return
         elif self.phase == "loop" and self.repeat is None:
             self.repeat = signum
             raise Interrupted()
@@ -2669,9 +2688,9 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
                 checkpoint = None  # unmaps the file: its weights and optimizer state are copied in now
             synchronize(hw)
             t0 = time.perf_counter()
-            stop.phase = "loop"  # from here on a signal ends the run at the next check, on every rank
             stop.until_text = ("stops after this step" if ranks.world_size == 1 else
                                f"stops at its next check, within {args.check_every} steps")
+            stop.phase = "loop"  # from here on a signal ends the run at the next check, on every rank
             while True:
                 last_step = step == N or result.stopped_early is not None
                 if last_step or step % args.check_every == 0 or (ranks.world_size == 1 and stop.signum):
@@ -2853,7 +2872,7 @@ def read_checkpoint(path, option, args=None):
         raise ConfigError(f"--{option}={path!r}: is a folder, not a checkpoint file") from None
     except OSError as e:
         raise ConfigError(f"--{option}={path!r}: cannot read ({e.strerror or e})") from None
-    except ConfigError:
+    except (ConfigError, Interrupted):
         raise
     except Exception as e:  # torch raises many kinds for a file that is not a checkpoint
         raise ConfigError(f"--{option}={path!r}: not a checkpoint written by train_gpt.py, or a damaged one "
@@ -3020,6 +3039,7 @@ def main(argv=None, environ=None):
     ranks = None
     try:
         ranks = Ranks.from_env(environ)
+        die_with_the_launcher(environ)
         args = parse_config(argv, environ, ranks.world_size)
         cli = command_line_options(argv)[0]  # parse_config accepted it
         from_environment = set_by_environment(cli, environ)
@@ -3034,13 +3054,10 @@ def main(argv=None, environ=None):
         # Every process of a machine reads the same options, environment and GPUs: its local rank
         # 0 speaks for all, so torchrun's console shows the line once per machine.
         if ranks is None or ranks.local_rank == 0:
-            print(f"train_gpt.py: error: {named_as_set(str(e), argv, environ)}", file=sys.stderr)
+            say(f"train_gpt.py: error: {named_as_set(str(e), argv, environ)}", sys.stderr)
         return EXIT_CONFIG
     except HelpRequested as e:
-        try:
-            print(e, flush=True)
-        except BrokenPipeError:  # `--help | head`: the reader has gone, and nothing is wrong
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor at exit's flush
+        say(str(e))
         return 0
     if hw.device.type == "cpu":
         torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // ranks.local_world_size))
@@ -3050,38 +3067,40 @@ def main(argv=None, environ=None):
                                                      for name in sorted(from_environment)), flush=True)
     log = RunLog(args, ranks)
     stop = StopSignals(announce=ranks.local_rank == 0)
-    stop.install()
     try:
+        stop.install()
         init_process_group(args, ranks, hw)
         result = train(args, ranks, hw, log, stop=stop)
     except (DataError, RankMismatch, CheckpointError, ConfigError) as e:
+        stop.phase = "end"  # first: a signal from here on cannot raise (a peer's exit makes torchrun send one)
         if not isinstance(e, PeerDataError):
-            print(f"train_gpt.py: error: {named_as_set(str(e), argv, environ)}", file=sys.stderr)
+            say(f"train_gpt.py: error: {named_as_set(str(e), argv, environ)}", sys.stderr)
         return EXIT_ERROR
     except Interrupted as e:  # before the training loop: nothing trained yet
         # One report per machine, as for a bad option; or by the one rank a signal reached in set-up.
         if log.started or ranks.local_rank == 0 or e.rank_alone is not None:
-            report = log if log.started else functools.partial(print, flush=True)
+            report = log if log.started else say
             which = f"rank {e.rank_alone}: " if e.rank_alone is not None else ""
             report(f"{which}interrupted at step 0/{args.num_iterations} ({signal.Signals(stop.signum).name})")
             report(peak_memory_line(hw))
         return 128 + stop.signum
     finally:
+        stop.phase = "end"
         if dist.is_initialized():
             dist.destroy_process_group()
         stop.uninstall()
     if result.crashed and result.exit_code == EXIT_ERROR:  # every rank that failed says so; the log has the traceback
         in_log = f" (traceback in {log.path})" if result.traceback_logged and log.path and not log.error else ""
-        print(f"train_gpt.py: error: {result.failure}{in_log}", file=sys.stderr)
+        say(f"train_gpt.py: error: {result.failure}{in_log}", sys.stderr)
         return EXIT_ERROR
     if result.exit_code == EXIT_ERROR or (log.error and not result.exit_code):  # a write may fail after the last check
         line = result.failure or f"{log.error} at step {result.steps_done}/{args.num_iterations}"
-        print(f"train_gpt.py: error: {line}; the lines written before are kept", file=sys.stderr)
+        say(f"train_gpt.py: error: {line}; the lines written before are kept", sys.stderr)
         return EXIT_ERROR
     if result.exit_code:
         return result.exit_code
     if result.checkpoint_error:
-        print(f"train_gpt.py: error: {result.checkpoint_error}", file=sys.stderr)
+        say(f"train_gpt.py: error: {result.checkpoint_error}", sys.stderr)
         return EXIT_ERROR
     return EXIT_DATA_RAN_OUT if result.stopped_early else 0
 

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -278,6 +279,41 @@ def test_ctrl_c_while_torch_loads_ends_without_a_traceback(tmp_path, command):
     assert out == ""  # before the trainer's own handler, which would say "interrupted at step 0/..."
 
 
+def test_ctrl_c_that_also_ends_a_tee_still_ends_in_one_line_and_a_complete_log(tmp_path, make_shards):
+    """`./run.sh | tee out.txt`: the same Ctrl-C ends tee, and the run's console is gone."""
+    train_glob, val_glob, _ = make_shards()
+    log_dir = tmp_path / "records"
+    proc = start(tmp_path, tiny_argv(train_files=train_glob, val_files=val_glob, log_dir=log_dir,
+                                     num_iterations=1000, val_every=0))
+    wait_for_line(proc, r"^step:2/1000 train_time")
+    proc.stdout.close()  # the reader has gone
+    os.killpg(proc.pid, signal.SIGINT)
+    err = proc.stderr.read()
+    assert proc.wait(timeout=60) == 130 and err == "", err[-3000:]
+    last = only_log(log_dir).splitlines()[-2:]
+    assert re.fullmatch(r"interrupted at step \d+/1000 \(SIGINT\)", last[0]) and PEAK.match(last[1])
+
+
+def test_a_rank_dies_with_its_launcher(tmp_path):
+    """torchrun killed (or ended by a third Ctrl-C, which no longer waits for its processes) must
+    not leave its ranks holding their GPUs."""
+    rank = ("import sys, time; sys.path.insert(0, sys.argv[1]); import train_gpt; "
+            "train_gpt.die_with_the_launcher({'TORCHELASTIC_RUN_ID': 'x'}); print('ready', flush=True); time.sleep(60)")
+    launcher = ("import subprocess, sys, time; "
+                f"child = subprocess.Popen([sys.executable, '-c', {rank!r}, {str(ROOT)!r}]); "
+                "print(child.pid, flush=True); time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", launcher], stdout=subprocess.PIPE, text=True)
+    child = int(proc.stdout.readline())
+    assert proc.stdout.readline() == "ready\n"
+    proc.kill()
+    proc.wait()
+    deadline = time.time() + 10
+    state = lambda: Path(f"/proc/{child}/stat").read_text().split()[2] if Path(f"/proc/{child}").exists() else "gone"
+    while state() not in ("gone", "Z") and time.time() < deadline:
+        time.sleep(0.1)
+    assert state() in ("gone", "Z")
+
+
 def test_interrupting_a_torchrun_group_stops_every_rank_at_the_same_step(tmp_path, make_shards):
     train_glob, val_glob, _ = make_shards()
     log_dir = tmp_path / "records"
@@ -401,9 +437,36 @@ def test_insisting_once_more_takes_the_signals_default_action(monkeypatch, phase
     monkeypatch.setattr(train_gpt.signal, "signal", lambda signum, handler: done.append(("handler", signum, handler)))
     monkeypatch.setattr(train_gpt.os, "kill", lambda pid, signum: done.append(("kill", pid, signum)))
     stop = train_gpt.StopSignals(announce=False)
-    stop.phase, stop.signum, stop.first_at, stop.repeat = phase, signal.SIGINT, time.monotonic() - 5, repeat
+    stop.phase, stop.signum, stop.repeat = phase, signal.SIGINT, repeat
     stop._on_signal(signal.SIGINT, None)
     assert done == [("handler", signal.SIGINT, signal.SIG_DFL), ("kill", os.getpid(), signal.SIGINT)]
+
+
+def test_a_copy_of_the_second_signal_is_not_a_third(monkeypatch):
+    """After Ctrl-C under run.sh, scancel's SIGTERM reaches a rank directly and through torchrun:
+    the first stops the loop mid-step, its copy must not kill the rank before its last line."""
+    done = []
+    monkeypatch.setattr(train_gpt.signal, "signal", lambda signum, handler: done.append(("handler", signum, handler)))
+    monkeypatch.setattr(train_gpt.os, "kill", lambda pid, signum: done.append(("kill", pid, signum)))
+    stop = train_gpt.StopSignals(announce=False)
+    stop.phase, stop.until_text = "loop", "stops after this step"
+    stop._on_signal(signal.SIGINT, None)
+    with pytest.raises(train_gpt.Interrupted):
+        stop._on_signal(signal.SIGTERM, None)
+    stop._on_signal(signal.SIGTERM, None)  # within FORWARDED_WITHIN_S: ignored, no default action
+    assert done == []
+    assert (stop.signum, stop.repeat, stop.stopped_mid_step()) == (signal.SIGINT, signal.SIGTERM, "SIGINT then SIGTERM")
+
+
+def test_a_signal_while_a_checkpoint_is_read_is_no_damaged_checkpoint(tmp_path, monkeypatch):
+    """--resume reads the checkpoint again in set-up, where Ctrl-C raises inside torch.load."""
+    (tmp_path / "run.pt").write_bytes(b"PK\x03\x04")  # the start of a zip, as torch.save writes
+
+    def interrupted_load(*args, **kwargs):
+        raise train_gpt.Interrupted()
+    monkeypatch.setattr(torch, "load", interrupted_load)
+    with pytest.raises(train_gpt.Interrupted):
+        train_gpt.read_checkpoint(str(tmp_path / "run.pt"), "resume")
 
 
 # ------------------------------------------------------------------------------ log directory and disk
