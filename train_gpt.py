@@ -593,7 +593,10 @@ def die_with_the_launcher(environ):
     longer waits for its processes) would hold its GPU until the dist timeout: Linux kills it along."""
     if "TORCHELASTIC_RUN_ID" in environ and sys.platform.startswith("linux"):
         PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        except (AttributeError, OSError):  # a C library without prctl: the rank may outlive its launcher
+            pass
 
 
 class RankMismatch(RuntimeError):
