@@ -3026,10 +3026,10 @@ def sample_main(args, set_fields=()):
     new = generate(model, trained, encoding.encode_ordinary(args.prompt), args.max_new_tokens, args.temperature,
                    args.top_k, args.seed)
     seconds = time.perf_counter() - started
-    print(encoding.decode(new), flush=True)
+    say(encoding.decode(new))
     validated = "".join(f", val_loss {loss:.4f} at step {step}" for step, loss in checkpoint["val_losses"][-1:])
-    print(f"sampled {len(new)} tokens in {seconds:.1f}s on {device.type} from {args.sample} "
-          f"(step {checkpoint['step']}{validated})", file=sys.stderr)
+    say(f"sampled {len(new)} tokens in {seconds:.1f}s on {device.type} from {args.sample} "
+        f"(step {checkpoint['step']}{validated})", sys.stderr)
     return 0
 
 
@@ -3066,8 +3066,8 @@ def main(argv=None, environ=None):
         torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // ranks.local_world_size))
         keep_freed_memory_on_cpu()
     if ranks.is_master and from_environment:  # a variable left in the shell changes the run: say so
-        print("set by the environment: " + ", ".join(f"{name.upper()}={environ[name.upper()]}"
-                                                     for name in sorted(from_environment)), flush=True)
+        say("set by the environment: " + ", ".join(f"{name.upper()}={environ[name.upper()]}"
+                                                   for name in sorted(from_environment)))
     log = RunLog(args, ranks)
     stop = StopSignals(announce=ranks.local_rank == 0)
     try:
