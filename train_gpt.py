@@ -621,6 +621,18 @@ def init_process_group(args, ranks, hw):
     check_ranks_agree(args, ranks, hw)
 
 
+def leave_process_group(clean):
+    """Destroy the process group after a run whose ranks all finished their collectives (clean);
+    after a crash or a mid-step stop, abort it. NCCL's destroy waits for every collective in flight,
+    and one that no peer will match would hold the rank until torchrun kills it; gloo's does not wait."""
+    if not dist.is_initialized():
+        return
+    if clean or dist.get_backend() != "nccl":
+        dist.destroy_process_group()
+    else:
+        dist.distributed_c10d._abort_process_group()
+
+
 def run_fingerprint(args):
     """A hash of this file's source and the configuration: ranks that disagree would deadlock later."""
     digest = hashlib.sha256((code_fingerprint() + repr(sorted(dataclasses.asdict(args).items()))).encode())
@@ -3070,6 +3082,7 @@ def main(argv=None, environ=None):
                                                    for name in sorted(from_environment)))
     log = RunLog(args, ranks)
     stop = StopSignals(announce=ranks.local_rank == 0)
+    result = None
     try:
         stop.install()
         init_process_group(args, ranks, hw)
@@ -3089,8 +3102,7 @@ def main(argv=None, environ=None):
         return 128 + stop.signum
     finally:
         stop.phase = "end"
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        leave_process_group(clean=result is not None and not result.crashed)
         stop.uninstall()
     if result.crashed and result.exit_code == EXIT_ERROR:  # every rank that failed says so; the log has the traceback
         in_log = f" (traceback in {log.path})" if result.traceback_logged and log.path and not log.error else ""

@@ -458,6 +458,42 @@ def test_a_copy_of_the_second_signal_is_not_a_third(monkeypatch):
     assert (stop.signum, stop.repeat, stop.stopped_mid_step()) == (signal.SIGINT, signal.SIGTERM, "SIGINT then SIGTERM")
 
 
+@pytest.mark.parametrize("backend, clean, expected", [("nccl", True, "destroy"), ("nccl", False, "abort"),
+                                                      ("gloo", False, "destroy"), (None, False, None)])
+def test_a_process_group_is_aborted_after_a_run_that_left_collectives_unmatched(monkeypatch, backend, clean,
+                                                                                 expected):
+    """NCCL's destroy waits for every collective in flight: after a crash or a mid-step stop one that
+    no peer matches would hold the rank until torchrun kills it, so the group is aborted there."""
+    done = []
+    monkeypatch.setattr(train_gpt.dist, "is_initialized", lambda: backend is not None)
+    monkeypatch.setattr(train_gpt.dist, "get_backend", lambda: backend)
+    monkeypatch.setattr(train_gpt.dist, "destroy_process_group", lambda: done.append("destroy"))
+    monkeypatch.setattr(train_gpt.dist.distributed_c10d, "_abort_process_group", lambda: done.append("abort"))
+    train_gpt.leave_process_group(clean)
+    assert done == ([expected] if expected else [])
+
+
+@pytest.mark.parametrize("where, call, pause_s, clean", [("peak_memory_line", 1, 0, True),  # acknowledged at the end
+                                                          ("lr_factor_at", 3, 0, True),  # stopped at a check
+                                                          ("lr_factor_at", 3, 0.3, False)])  # stopped mid-step
+def test_only_a_run_whose_ranks_finished_their_steps_leaves_the_group_as_a_clean_one(
+        tmp_path, make_shards, monkeypatch, where, call, pause_s, clean):
+    left = []
+    monkeypatch.setattr(train_gpt, "leave_process_group", lambda clean: left.append(clean))
+    signalled_in_process(tmp_path, make_shards, monkeypatch, where, call, pause_s)
+    assert left == [clean]
+
+
+def test_a_crash_leaves_the_group_as_an_unclean_one(tmp_path, make_shards, monkeypatch):
+    train_glob, val_glob, _ = make_shards()
+    left = []
+    monkeypatch.setattr(train_gpt, "leave_process_group", lambda clean: left.append(clean))
+    monkeypatch.setattr(train_gpt, "lr_factor_at", lambda step, args: 1 / 0 if step == 2 else 1.0)
+    argv = tiny_argv(train_files=train_glob, val_files=val_glob, log_dir=tmp_path, num_iterations=5, val_every=0)
+    assert train_gpt.main(argv, {}) == train_gpt.EXIT_ERROR
+    assert left == [False]
+
+
 def test_a_signal_while_a_checkpoint_is_read_is_no_damaged_checkpoint(tmp_path, monkeypatch):
     """--resume reads the checkpoint again in set-up, where Ctrl-C raises inside torch.load."""
     (tmp_path / "run.pt").write_bytes(b"PK\x03\x04")  # the start of a zip, as torch.save writes
