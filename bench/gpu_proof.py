@@ -240,24 +240,39 @@ def run_proof(opts):
         env["TRITON_INTERPRET"] = "1"   # before train_gpt defines its kernels
         env["CUDA_VISIBLE_DEVICES"] = ""
     phases = {}
+    commands = [" ".join(["python", "bench/gpu_proof.py"] + sys.argv[1:])]
     for phase in opts.phases:
         budget = opts.budgets[phase]
         print(f"[gpu_proof] {phase}: running (budget {budget:.0f} s)", flush=True)
-        phases[phase] = run_phase_process(phase, out, budget, env)
+        try:
+            phases[phase] = run_phase_process(phase, out, budget, env)
+        except KeyboardInterrupt:  # `timeout` around a lease's command, or Ctrl-C: keep what the phase finished
+            phases[phase] = read_phase_result(phase, out)
+            phases[phase]["status"] = "interrupted"
+            write_report(out, build_report(phases, commands, opts.cpu_smoke))
+            raise
         result = phases[phase]
         print(f"[gpu_proof] {phase}: {result['status']} in {result.get('seconds', 0):.0f} s "
               f"({result['checks']['passed']} checks passed, {result['checks']['failed']} failed, "
               f"{len(result['errors'])} errors)", flush=True)
-    report = build_report(phases, [" ".join(["python", "bench/gpu_proof.py"] + sys.argv[1:])], opts.cpu_smoke)
-    write_report(out, report)
+        # After every phase: a command cut short from outside still leaves the report of the phases it ran.
+        write_report(out, build_report(phases, commands, opts.cpu_smoke))
     print(f"[gpu_proof] wrote {os.path.join(out, 'report.md')} and report.json", flush=True)
     return 0 if all(p["status"] in ("ok", "skipped") for p in phases.values()) else 1
+
+
+def read_phase_result(phase, out):
+    """What a phase's worker recorded (it rewrites its json after every check)."""
+    try:
+        with open(os.path.join(out, "phases", f"{phase}.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return new_phase_result(phase)
 
 
 def run_phase_process(phase, out, budget, env):
     """Run one phase in a child process; kill its whole process group when the budget is spent."""
     log_path = os.path.join(out, "phases", f"{phase}.log")
-    json_path = os.path.join(out, "phases", f"{phase}.json")
     start = time.time()
     with open(log_path, "w") as log:
         child = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", phase, "--out", out],
@@ -274,11 +289,7 @@ def run_phase_process(phase, out, budget, env):
                 signal.signal(signum, signal.SIG_IGN)   # a second Ctrl-C must not leave it running
             end_worker(child)
             raise
-    try:
-        with open(json_path) as f:
-            result = json.load(f)
-    except (OSError, ValueError):
-        result = new_phase_result(phase)
+    result = read_phase_result(phase, out)
     result["seconds"] = round(time.time() - start, 1)
     if timed_out:
         result["status"] = "timeout"
@@ -907,7 +918,8 @@ def phase_kernels(rec, ctx):
                        "vs triton NS"])
     timed = {}   # (GPUs, method, backend): ms of each stack it was timed on
     shapes = sorted(layout["counts"], key=lambda s: -s[0] * s[1])
-    plan = [(world, shape) for world in ((1, 8) if cuda else (8,)) for shape in shapes]
+    # The 8 GPUs' stacks first: the speedrun's, and the ones a short budget left out before.
+    plan = [(world, shape) for world in ((8, 1) if cuda else (8,)) for shape in shapes]
     out_of_time = False
     # A backend that fails on every method of a stack is not tried again: on the H100 each failed
     # compilation cost about 10 s, and ten of them spent the budget meant for the 8-GPU stacks.
@@ -1498,7 +1510,7 @@ def merge_reports(paths):
     return merged
 
 
-STATUS_ORDER = ("ok", "skipped", "partial", "failed", "timeout", "crashed")
+STATUS_ORDER = ("ok", "skipped", "partial", "failed", "timeout", "interrupted", "crashed")
 
 
 def adds_runs(first, later):

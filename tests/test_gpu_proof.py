@@ -256,9 +256,10 @@ def test_existing_report_is_never_overwritten(tmp_path):
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_to_the_proof_ends_its_worker_and_trainers_in_one_line(tmp_path, signum):
     """The worker runs in its own session (Ctrl-C at the terminal does not reach it) and so do its
-    trainers: the parent ends them, then itself, in one line."""
+    trainers: the parent ends them, then itself, in one line, and leaves the report of what ran (a
+    lease's command cut short by `timeout` returns it)."""
     out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--cpu-smoke", "--phases", "train", "--steps", "4",
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--cpu-smoke", "--phases", "env,train", "--steps", "4",
                              "--variant-steps", "4", "--variants", "", "--out", str(out)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                             env=dict(os.environ, TRITON_INTERPRET="1"), preexec_fn=sigint_as_at_a_terminal)
@@ -268,6 +269,9 @@ def test_a_signal_to_the_proof_ends_its_worker_and_trainers_in_one_line(tmp_path
     assert stderr == f"gpu_proof.py: interrupted ({signal.Signals(signum).name})\n"
     assert not left   # neither the worker nor its trainer goes on
     assert ended_in < 8   # the worker ended on its SIGTERM, before the parent's SIGKILL 10 s later
+    report = json.loads((out / "report.json").read_text())
+    assert {name: phase["status"] for name, phase in report["phases"].items()} == {"env": "ok", "train": "interrupted"}
+    assert report["meta"]["train_gpt_sha256"] and (out / "report.md").exists()
 
 
 def test_parse_run_log_reads_the_speedrun_line_format():
