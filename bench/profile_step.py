@@ -97,7 +97,9 @@ def device_time_per_step(trace, steps):
     figures["span (first to last kernel)"] = ((end - start) / 1e3 / steps, None)
     # Where the idle time is: many tiny gaps are launch latency between back-to-back kernels
     # (fewer, fused kernels help); long ones are the GPU waiting on the host or on a sync.
-    busy = sorted((e["ts"], e["ts"] + e["dur"]) for e in device)
+    # Clipped to the span: a copy before the first kernel (the step's input) or after the last is no idle time in it.
+    busy = sorted((max(e["ts"], start), min(e["ts"] + e["dur"], end)) for e in device
+                  if e["ts"] < end and e["ts"] + e["dur"] > start)
     short, long_ = [], []
     covered = busy[0][1]
     for begin, finish in busy[1:]:

@@ -80,6 +80,7 @@ def test_idle_time_is_split_into_launch_gaps_and_long_gaps():
     def event(cat, ts, dur):
         return {"ph": "X", "cat": cat, "name": "triton_poi_fused_add_0", "ts": ts, "dur": dur}
     trace = {"traceEvents": [
+        event("gpu_memcpy", -300, 100),  # before the first kernel, outside the span: 200 us that are no gap in it
         event("kernel", 0, 100),
         event("kernel", 104, 100),       # 4 us after: a launch gap
         event("kernel", 150, 200),       # another stream, overlapping: no gap
@@ -88,6 +89,8 @@ def test_idle_time_is_split_into_launch_gaps_and_long_gaps():
         event("gpu_memcpy", 900, 50),    # 500 us waiting
         event("kernel", 1000, 100),      # 50 us waiting
         event("cpu_op", 0, 5000),        # host time is not device activity
+        event("gpu_memcpy", 1090, 100),  # overlaps the last kernel, ends after it
+        event("gpu_memcpy", 1500, 10),   # after the span
     ]}
     figures = profile_step.device_time_per_step(trace, steps=2)
     assert figures["idle, gaps < 10 us"] == pytest.approx(((4 + 2 + 6) / 1e3 / 2, 3 / 2))
