@@ -28,6 +28,27 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 from shards import BOS, write_shard  # noqa: E402
 
 
+def effective_block_mask(block_mask, T):
+    """What FlexAttention's fused GPU kernel computes from a BlockMask over T queries and keys (its
+    eager form on CPU ignores the block lists): each query block visits the first kv_num_blocks of
+    its kv_indices, where mask_mod decides, and the first full_kv_num_blocks of its
+    full_kv_indices, whose keys it takes whole; every other block is skipped (a count below zero
+    visits none)."""
+    block_size = block_mask.BLOCK_SIZE[0]
+    allowed = torch.zeros(T, T, dtype=torch.bool)
+    pos = torch.arange(T)
+    mask_mod = block_mask.mask_mod(0, 0, pos[:, None], pos[None, :])
+    kinds = ((block_mask.kv_num_blocks, block_mask.kv_indices, "partial"),
+             (block_mask.full_kv_num_blocks, block_mask.full_kv_indices, "full"))
+    for counts, indices, kind in kinds:
+        for qb in range(T // block_size):
+            for j in range(int(counts[0, 0, qb])):
+                kb = int(indices[0, 0, qb, j])
+                rows, cols = slice(qb * block_size, (qb + 1) * block_size), slice(kb * block_size, (kb + 1) * block_size)
+                allowed[rows, cols] = True if kind == "full" else mask_mod[rows, cols]
+    return allowed
+
+
 def synthetic_documents(rng, total_tokens, min_len=5, max_len=300, vocab=50000):
     """A token stream of BOS-prefixed documents with Zipf-like token frequencies."""
     out = []

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import train_gpt
+from conftest import effective_block_mask
 
 BOS = train_gpt.BOS_TOKEN
 
@@ -66,25 +67,6 @@ def test_cpu_attention_path_equals_naive_attention(T, block, window, n_docs, see
         torch.testing.assert_close(out[0, :, h].double(), ref, atol=1e-5, rtol=1e-5)
 
 
-def effective_block_mask(block_mask, tokens, block_size):
-    """What the fused GPU kernel computes from a BlockMask: full blocks are taken whole, partial
-    blocks through mask_mod, and every other block is skipped."""
-    T = tokens.numel()
-    n = T // block_size
-    allowed = torch.zeros(T, T, dtype=torch.bool)
-    pos = torch.arange(T)
-    mask_mod = block_mask.mask_mod(0, 0, pos[:, None], pos[None, :])
-    kinds = ((block_mask.kv_num_blocks, block_mask.kv_indices, "partial"),
-             (block_mask.full_kv_num_blocks, block_mask.full_kv_indices, "full"))
-    for counts, indices, kind in kinds:
-        for qb in range(n):
-            for j in range(int(counts[0, 0, qb])):
-                kb = int(indices[0, 0, qb, j])
-                rows, cols = slice(qb * block_size, (qb + 1) * block_size), slice(kb * block_size, (kb + 1) * block_size)
-                allowed[rows, cols] = True if kind == "full" else mask_mod[rows, cols]
-    return allowed
-
-
 @pytest.mark.parametrize("T, block, window, n_docs, seed", CASES)
 def test_flex_block_mask_equals_naive_rule(T, block, window, n_docs, seed):
     tokens = random_documents(T, n_docs, seed)
@@ -92,7 +74,7 @@ def test_flex_block_mask_equals_naive_rule(T, block, window, n_docs, seed):
     dense = torch.tensor(naive_allowed(tokens, window, block))
     # Equality also proves that blocks marked full are fully allowed (the kernel skips mask_mod
     # there) and that skipped blocks hold no allowed pair.
-    assert torch.equal(effective_block_mask(block_mask, tokens, block), dense)
+    assert torch.equal(effective_block_mask(block_mask, T), dense)
 
 
 def test_block_mask_uses_full_partial_and_skipped_blocks():
