@@ -14,6 +14,7 @@ of one thread each took 1.3 s per step (2026-11-23), about 3 minutes a run: 4 se
 configurations in about 20 minutes.
 """
 
+import collections
 import json
 import math
 import os
@@ -101,14 +102,24 @@ def run_logs(out, run_name, since=0.0):
     return [path for mtime, path in sorted(logs) if mtime >= since]
 
 
-def finished_run(out, label, seed, expected):
-    """--resume: the earlier complete run of this job in out/logs, or None if there is none. One
-    line if it was made with other settings than `expected` (names, seeds and paths aside)."""
+def trainer_code_hash():
+    """The code_hash records/compare.py reads from a log of this train_gpt.py (the log starts with
+    its source and a newline)."""
+    return compare._sha1("\n".join(((REPO_ROOT / "train_gpt.py").read_text() + "\n").splitlines()))
+
+
+def finished_run(out, label, seed, expected, code_hash=None):
+    """--resume: the earlier complete run of this job in out/logs, or None if there is none; with
+    code_hash, one made by that train_gpt.py source only ({"stale": True} where the only ones were
+    made by another: a run of an edited trainer is no run of this one). One line if it was made
+    with other settings than `expected` (names, seeds and paths aside)."""
     run_name = f"ab_{label}_s{seed}"
     logs = run_logs(out, run_name)
     runs = [run for run in map(compare.parse_log, logs) if run is not None and run.usable]
     if not runs:
         return None
+    if code_hash is not None and not (runs := [run for run in runs if run.code_hash == code_hash]):
+        return dict(stale=True)
     run = runs[-1]
     differing = [f"{key} ({run.config[key]} vs {value})" for key, value in expected.items()
                  if key in run.config and key not in compare.IGNORED_CONFIG | set(OWN_FLAGS)
@@ -272,6 +283,19 @@ def markdown(rows, common, results):
     return "\n".join(lines) + "\n"
 
 
+def code_versions_warning(results):
+    """A line for the report where the runs were made by more than one train_gpt.py source
+    (--report-only over runs of an edited trainer): which runs differ from the most common."""
+    versions = collections.Counter(r["run"].code_hash for r in results if r["run"] and r["run"].code_hash)
+    if len(versions) < 2:
+        return ""
+    common = versions.most_common(1)[0][0]
+    odd = ", ".join(f"{r['label']} seed {r['seed']}" for r in results
+                    if r["run"] and r["run"].code_hash not in (None, common))
+    return (f"\nwarning: the runs were made by {len(versions)} versions of train_gpt.py (the source each log "
+            f"starts with); unlike the most common: {odd}. Their statistics mix code versions.\n")
+
+
 def plot(configs, results, path):
     import matplotlib
 
@@ -348,12 +372,17 @@ def main(argv=None):
     jobs = [(label, common + argv, seed) for seed in range(args.seeds) for label, argv in configs]
     results = []
     if args.resume:
-        for label, _, seed in jobs:
-            if (earlier := finished_run(out, label, seed, dict(expected[label], seed=str(seed)))) is not None:
-                results.append(earlier)
+        # --report-only reports what is there, of any code (the report names a mix); --resume runs
+        # again what another train_gpt.py made
+        code_hash = None if args.report_only else trainer_code_hash()
+        earlier = [finished_run(out, label, seed, dict(expected[label], seed=str(seed)), code_hash)
+                   for label, _, seed in jobs]
+        results = [r for r in earlier if r is not None and not r.get("stale")]
         reused = {(r["label"], r["seed"]) for r in results}
         jobs = [job for job in jobs if (job[0], job[2]) not in reused]
-        print(f"--resume: {len(reused)} finished runs reused", flush=True)
+        stale = sum(1 for r in earlier if r is not None and r.get("stale"))
+        print(f"--resume: {len(reused)} finished runs reused"
+              + (f"; {stale} made by another train_gpt.py run again" if stale else ""), flush=True)
     if args.report_only:
         print(f"--report-only: {len(jobs)} runs not finished are left out of the report", flush=True)
         jobs = []
@@ -374,7 +403,7 @@ def main(argv=None):
              enumerate((label, seed) for seed in range(args.seeds) for label, _ in configs)}
     results.sort(key=lambda r: order[(r["label"], r["seed"])])
     rows = statistics(configs, results)
-    report = markdown(rows, args.common, results)
+    report = markdown(rows, args.common, results) + code_versions_warning(results)
     (out / "ab.md").write_text(report)
     (out / "ab.json").write_text(json.dumps(dict(
         common=args.common, seeds=args.seeds, threads=args.threads, parallel=parallel,
@@ -382,6 +411,7 @@ def main(argv=None):
         runs=[dict(label=r["label"], seed=r["seed"], log=r["log"], problem=r["problem"],
                    seconds=None if r.get("reused") else round(r["seconds"], 1), train_seconds=train_seconds(r),
                    final_val_loss=finite(r["run"].final_val_loss) if r["run"] else None,
+                   code_sha1=r["run"].code_hash if r["run"] else None,
                    val_curve=[[step, finite(loss)] for step, _, loss in r["run"].val_curve] if r["run"] else [])
               for r in results]), indent=1, allow_nan=False) + "\n")
     plot(configs, results, out / "ab.png")

@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
+import compare
+from bench import ab as ab_module
 from conftest import ROOT, sigint_as_at_a_terminal, signal_when_training, tiny_argv
 
 AB = str(ROOT / "bench" / "ab.py")
@@ -168,3 +170,39 @@ def test_resume_reuses_finished_runs_and_refuses_changed_flags(make_shards, tmp_
     changed = ab("--config", "base=--muon_lr 0.02", "--seeds", "1", "--resume")
     assert changed.returncode != 0
     assert "muon_lr (0.05 vs 0.02)" in changed.stderr and len(changed.stderr.strip().splitlines()) == 1
+
+
+def edited_trainer(log):
+    """The log as an edited train_gpt.py would have written it: another source at its top."""
+    log.write_text("# an edit\n" + log.read_text())
+
+
+def test_resume_runs_again_what_another_train_gpt_made_and_the_report_names_a_mix(make_shards, tmp_path):
+    train_glob, val_glob, _ = make_shards()
+    common = shlex.join(tiny_argv(train_files=train_glob, val_files=val_glob, num_iterations=2, val_every=2))
+    out = tmp_path / "ab"
+
+    def ab(*argv):
+        return subprocess.run([sys.executable, AB, "--config", "base=", *argv, "--common", common, "--out", str(out)],
+                              capture_output=True, text=True, timeout=120)
+    first = ab("--seeds", "2")
+    assert first.returncode == 0, first.stdout + first.stderr
+    (log_0,), (log_1,) = ((out / "logs").glob(f"*_ab_base_s{seed}/*.txt") for seed in (0, 1))
+    assert compare.parse_log(log_0).code_hash == ab_module.trainer_code_hash()
+    assert "warning" not in (out / "ab.md").read_text()
+    edited_trainer(log_0)
+
+    again = ab("--seeds", "2", "--resume")
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "--resume: 1 finished runs reused; 1 made by another train_gpt.py run again" in again.stdout
+    assert len(list((out / "logs").glob("*_ab_base_s0/*.txt"))) == 2
+    assert "warning" not in (out / "ab.md").read_text()  # both runs in the report are of this train_gpt.py
+
+    edited_trainer(log_1)  # --report-only takes what is there, and says it mixes code versions
+    report = ab("--seeds", "2", "--report-only")
+    assert report.returncode == 0, report.stdout + report.stderr
+    warning = ("warning: the runs were made by 2 versions of train_gpt.py (the source each log starts with); "
+               "unlike the most common: ")
+    assert warning in (out / "ab.md").read_text() and warning in report.stdout
+    codes = [r["code_sha1"] for r in json.loads((out / "ab.json").read_text())["runs"]]
+    assert len(set(codes)) == 2 and codes[0] == ab_module.trainer_code_hash()
