@@ -1,6 +1,6 @@
 """Summarize a folder of speedrun logs and compare it with a baseline folder.
 
-    python records/compare.py RUNS_DIR [BASELINE_DIR] [--target 3.28]
+    python records/compare.py RUNS_DIR [BASELINE_DIR] [--target 3.28] [--out DIR]
 
 A record claim rests on two statistics (see records/README.md): a one-sided
 one-sample t-test that the mean final validation loss is below the target, and a
@@ -9,9 +9,9 @@ machine. Both are only honest if every run that enters them is a complete,
 distinct run of the same configuration on the same hardware. So this script
 parses every `*.txt` log in a folder, excludes (with a warning, never silently)
 runs that are unfinished, truncated, duplicated, or whose hardware or step count
-differ from the folder's majority, and then writes `statistics.md` and
-`val_loss_vs_time.png` into RUNS_DIR and prints a short table. It reads the
-logs and never modifies them.
+differ from the folder's majority, prints a short table, and then writes
+`statistics.md` and `val_loss_vs_time.png` into RUNS_DIR (or --out DIR). It reads
+the logs and never modifies them.
 
 Log layout: the trainer's source code, a line of exactly 100 '=', a header
 (Python/PyTorch/Triton versions, nvidia-smi output or a `CPU: ...` line,
@@ -428,9 +428,12 @@ def load_folder(path: str | Path) -> RecordFolder:
                                "but their statistics mix configurations")
     codes = Counter(r.code_hash for r in folder.usable if r.code_hash)
     if len(codes) > 1:
+        versions = codes.most_common()
+        counts = [runs_count(versions[0][1])] + [
+            f"{runs_count(n)}: " + ", ".join(sorted(r.name for r in folder.usable if r.code_hash == code))
+            for code, n in versions[1:]]
         folder.warnings.append(f"{folder.label}: the runs were made by {len(codes)} different versions of the "
-                               "training script (the source each log starts with: "
-                               + ", ".join(runs_count(n) for _, n in codes.most_common())
+                               "training script (the source each log starts with: " + "; ".join(counts)
                                + "); kept, but their statistics mix code versions")
     # Two validations after step 0 at least: step 0's loss is ln(50304) for every seed, and two
     # final losses alone may agree to 4 decimals by chance.
@@ -878,7 +881,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("baseline_dir", metavar="BASELINE_DIR", nargs="?")
     parser.add_argument("--target", type=float, default=None,
                         help=f"loss target (default: the logs' target_val_loss, else {DEFAULT_TARGET})")
+    parser.add_argument("--out", metavar="DIR", default=None,
+                        help=f"folder for {STATISTICS_FILE} and {PLOT_FILE} (default: RUNS_DIR)")
     args = parser.parse_args(argv)
+    if args.target is not None and not math.isfinite(args.target):
+        parser.error(f"--target={args.target}: expected a finite loss")
     try:
         runs = _load_usable(args.runs_dir)
         baseline = None
@@ -905,17 +912,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     text = render_statistics(runs, summary, target_source, baseline, baseline_summary,
                              comparison, all_warnings, command)
-    try:
-        (runs.path / STATISTICS_FILE).write_text(text)
-        plot_curves(runs, target, runs.path / PLOT_FILE, baseline)
-    except OSError as error:
-        print(f"compare.py: error: {runs.path}: cannot write results: {error.strerror or error}", file=sys.stderr)
-        return 1
-
+    # The figures first: a folder that cannot be written (the public logs, read-only) loses no output.
     print(_terminal_table(runs, summary, baseline, baseline_summary, comparison))
     for warning in all_warnings:
         print(f"warning: {warning}")
-    print(f"wrote {runs.path / STATISTICS_FILE} and {runs.path / PLOT_FILE}")
+    out = Path(args.out) if args.out is not None else runs.path
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / STATISTICS_FILE).write_text(text)
+        plot_curves(runs, target, out / PLOT_FILE, baseline)
+    except OSError as error:
+        print(f"compare.py: error: {out}: cannot write {STATISTICS_FILE} and {PLOT_FILE} "
+              f"({error.strerror or error}); --out DIR writes them elsewhere", file=sys.stderr)
+        return 1
+    print(f"wrote {out / STATISTICS_FILE} and {out / PLOT_FILE}")
     return 0
 
 

@@ -477,6 +477,23 @@ def test_main_fails_without_usable_runs(tmp_path, capsys):
     assert not (folder / "statistics.md").exists()
 
 
+def test_a_folder_that_cannot_take_the_results_still_gets_the_figures_printed(good_runs, tmp_path, capsys):
+    """The public logs' folders are read-only: the table and warnings come first, then one line
+    naming the folder; --out writes the files elsewhere."""
+    (good_runs / "statistics.md").mkdir()  # stands in for a folder that refuses the file
+    assert compare.main([str(good_runs)]) == 1
+    out, err = capsys.readouterr()
+    assert "p (mean loss < 3.28)" in out
+    assert err == (f"compare.py: error: {good_runs}: cannot write statistics.md and val_loss_vs_time.png "
+                   "(Is a directory); --out DIR writes them elsewhere\n")
+    elsewhere = tmp_path / "results" / "new"
+    assert compare.main([str(good_runs), "--out", str(elsewhere)]) == 0
+    assert capsys.readouterr().out.endswith(f"wrote {elsewhere / 'statistics.md'} and {elsewhere / 'val_loss_vs_time.png'}\n")
+    assert "p (mean loss < 3.28)" in (elsewhere / "statistics.md").read_text()
+    assert (elsewhere / "val_loss_vs_time.png").read_bytes()[:4] == b"\x89PNG"
+    assert sorted(p.name for p in good_runs.iterdir() if not p.name.endswith(".txt")) == ["statistics.md"]
+
+
 def test_main_fails_on_missing_baseline_and_self_comparison(good_runs, tmp_path, capsys):
     assert compare.main([str(good_runs), str(tmp_path / "nope")]) == 1
     assert capsys.readouterr().err.strip() == f"compare.py: error: {tmp_path / 'nope'}: no such folder"
@@ -491,6 +508,9 @@ def test_cli_subprocess(good_runs, tmp_path):
     assert ok.returncode == 0, ok.stderr
     assert "p (mean loss < 3.3)" in ok.stdout
     assert "Target: 3.3 (--target)" in (good_runs / "statistics.md").read_text()
+    nan = subprocess.run([sys.executable, str(script), str(good_runs), "--target", "nan"], capture_output=True,
+                         text=True, timeout=120)
+    assert (nan.returncode, nan.stderr) == (2, "compare.py: error: --target=nan: expected a finite loss\n")
     empty = tmp_path / "empty"
     empty.mkdir()
     failed = subprocess.run([sys.executable, str(script), str(empty)], capture_output=True, text=True, timeout=120)
@@ -760,8 +780,9 @@ def test_runs_of_different_code_versions_are_warned_about(tmp_path):
     result = compare.load_folder(folder)
     assert len(result.usable) == 4
     [warning] = result.warnings
+    [odd] = [p.name for p in folder.glob("*.txt") if "bound factor 0.4" in p.read_text()]
     assert "2 different versions of the training script" in warning and "(the source each log starts with: " \
-        "3 runs, 1 run)" in warning
+        f"3 runs; 1 run: {odd})" in warning  # which log to diff
     # a log whose source was stripped (the public ones) is not compared with those that hold it
     stripped = make_log(LOSSES[4], source="(source code of the training script omitted from this copy)")
     write_logs(tmp_path / "mixed", [make_log(l) for l in LOSSES[:2]] + [stripped])
