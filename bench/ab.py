@@ -79,9 +79,9 @@ def parse_configs(texts):
     return configs
 
 
-def check_trainer_flags(label, argv):
-    """The trainer's own check, in this process, before any run starts; the configuration as the
-    run's log header will state it ({field: str(value)})."""
+def trainer_config(argv):
+    """The trainer's own check, in this process, before any run starts: (the configuration as the
+    run's log header will state it, {field: str(value)}, None) or (None, what is wrong)."""
     import dataclasses
 
     import train_gpt
@@ -89,10 +89,22 @@ def check_trainer_flags(label, argv):
     try:
         args = train_gpt.parse_config(argv, dict(os.environ))
     except train_gpt.ConfigError as e:
-        fail(f"--config {label}: {e}")
+        return None, str(e)
     except train_gpt.HelpRequested:
-        fail(f"--config {label}: --help is not a training flag")
-    return {f.name: str(getattr(args, f.name)) for f in dataclasses.fields(args)}
+        return None, "--help is not a training flag"
+    return {f.name: str(getattr(args, f.name)) for f in dataclasses.fields(args)}, None
+
+
+def check_trainer_flags(configs, common):
+    """{label: configuration} of every configuration with the common flags; one line naming the
+    option to blame for the first that fails (--common where the common flags fail alone)."""
+    expected = {}
+    for label, argv in configs:
+        expected[label], problem = trainer_config(common + argv)
+        if problem:
+            common_problem = trainer_config(common)[1]
+            fail(f"--common: {common_problem}" if common_problem else f"--config {label}: {problem}")
+    return expected
 
 
 def run_logs(out, run_name, since=0.0):
@@ -361,7 +373,7 @@ def main(argv=None):
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not args.resume)):
         fail(f"--out {out}: exists and is not an empty folder (nothing there is overwritten; choose a new one, "
              "or --resume to reuse its runs)")
-    expected = {label: check_trainer_flags(label, common + argv) for label, argv in configs}
+    expected = check_trainer_flags(configs, common)
     try:
         (out / "logs").mkdir(parents=True, exist_ok=True)
     except OSError as e:

@@ -85,6 +85,7 @@ def test_ab_end_to_end(make_shards, tmp_path):
     (["--config", "a=", "--config", "a=--normuon true"], "--config a: the label is used twice"),
     (["--config", "a b=--normuon true"], "expected LABEL=\"FLAGS\""),
     (["--config", "a=", "--seeds", "0"], "--seeds: expected a positive integer"),
+    (["--config", "a=", "--common", "--preset gpu"], "--common: --preset='gpu': expected one of"),
 ])
 def test_bad_arguments_fail_in_one_line_before_any_run(tmp_path, argv, message):
     out = tmp_path / "ab"
