@@ -2984,7 +2984,8 @@ def generate(model, args, prompt_tokens, max_new_tokens, temperature=0.8, top_k=
     return new
 
 
-# What --sample takes from the checkpoint: the fields that build the model, its context and its windows.
+# What --sample takes from the checkpoint: the fields that build the model, its context and its windows
+# (a fork's model that reads a new field lists it here; tests/test_checkpoint.py checks the list).
 MODEL_FIELDS = ("vocab_size", "num_layers", "model_dim", "num_heads", "head_dim", "mlp_ratio", "attention_free_layers",
                 "num_value_embeds", "attn_scale", "rotary_base", "logit_softcap", "attn_block_size", "window_pattern",
                 "window_growth_tokens", "bf16_embeds", "train_seq_len", "val_seq_len", "num_iterations")

@@ -266,6 +266,28 @@ def test_a_finished_run_is_not_resumed(single, tmp_path, capsys):
     assert not logs.exists()
 
 
+def test_the_fields_sample_takes_from_the_checkpoint_are_those_the_model_reads():
+    """--sample refuses a set option that would change the model (MODEL_FIELDS) and takes the rest
+    of the model's configuration from the checkpoint: a fork whose model reads a new field must
+    list it there, or --sample would ignore that option silently."""
+    from conftest import TINY
+
+    class Recording:
+        def __init__(self, args):
+            object.__setattr__(self, "args", args)
+            object.__setattr__(self, "read", set())
+
+        def __getattr__(self, name):
+            self.read.add(name)
+            return getattr(self.args, name)
+    args = Recording(train_gpt.Hyperparameters(**TINY))
+    hw = train_gpt.Hardware(torch.device("cpu"), torch.float32, "sdpa", False, "torch", "gloo")
+    model = train_gpt.GPT(args, hw).eval()
+    train_gpt.generate(model, args, [1, 2, 3], max_new_tokens=3)  # what --sample does with it
+    missing, unread = sorted(args.read - set(train_gpt.MODEL_FIELDS)), sorted(set(train_gpt.MODEL_FIELDS) - args.read)
+    assert (missing, unread) == ([], []), f"train_gpt.MODEL_FIELDS: add {missing}, remove {unread}"
+
+
 def test_prompt_belongs_to_sample():
     with pytest.raises(train_gpt.ConfigError, match=r"--prompt: only --sample reads it"):
         train_gpt.parse_config(tiny_argv(prompt="Hello"), {}, 1, False)
