@@ -4,6 +4,7 @@ that records/compare.py can read; in-process training is deterministic and unaff
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -205,6 +206,7 @@ def test_one_data_option_given_is_checked_first_and_the_other_default_explained(
     """Without FineWeb, --val_files alone: a typo in it is named first; a right one leaves the
     training default, which the sample no longer stands in for, and the error says why."""
     monkeypatch.setattr(train_gpt, "REPO_DIR", str(tmp_path))  # a checkout without data/fineweb10B
+    (tmp_path / "data" / "sample").mkdir(parents=True)
     typo = train_gpt.parse_config(["--preset", "cpu", "--val_files", str(tmp_path / "vall_*.bin")], {}, 1, False)
     with pytest.raises(train_gpt.DataError, match=r"vall_\*\.bin: no validation shards match$"):
         train_gpt.resolve_data_files(typo)
@@ -214,6 +216,21 @@ def test_one_data_option_given_is_checked_first_and_the_other_default_explained(
                        r"default of --train_files: .*, or set --train_files; the embedded sample stands in only "
                        r"where neither option is set\)$"):
         train_gpt.resolve_data_files(right)
+
+
+def test_a_copy_of_train_gpt_outside_the_repository_says_where_its_default_data_is(tmp_path):
+    """A fork copied to a folder of its own finds no data/ beside it: the line says so."""
+    fork = tmp_path / "fork" / "train_gpt.py"
+    fork.parent.mkdir()
+    shutil.copy(ROOT / "train_gpt.py", fork)
+    done = subprocess.run([sys.executable, str(fork), "--preset", "cpu", "--num_iterations", "1",
+                           "--log_dir", str(tmp_path / "logs")], capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path)
+    assert done.returncode == train_gpt.EXIT_ERROR, done.stderr
+    assert done.stderr == (f"train_gpt.py: error: {fork.parent}/data/sample/sample_train_*.bin: no training shards "
+                           f"match (the default data lies beside train_gpt.py, and {fork.parent} holds no data/ of "
+                           "this repository: run a fork from the repository's root, or set --train_files)\n")
+    assert not (tmp_path / "logs").exists()
 
 
 def test_bad_token_in_a_late_shard_stops_before_training(make_shards):
