@@ -4,8 +4,9 @@ Each configuration is a label and trainer flags, e.g.
     python bench/ab.py --config base="--ns_method newton_schulz" --config aol="--ns_method aol" --out /tmp/ab
 The first configuration is the baseline. Every run is `train_gpt.py COMMON FLAGS --seed S` as its
 own process (seeds 0..K-1, --threads T each, at most --parallel at a time), logging to
-DIR/logs/<date>_ab_<label>_s<S>/; the final val loss and the val-loss curve are read back from
-those logs with records/compare.py's parser, and its statistics give the Welch p-values.
+DIR/logs/<date>_ab_<label>/ (a folder per configuration, as records/compare.py reads them); the
+final val loss and the val-loss curve are read back from those logs with records/compare.py's
+parser, and its statistics give the Welch p-values.
 Writes DIR/ab.md (the table, also printed), DIR/ab.json and DIR/ab.png (val loss vs step).
 
 The default COMMON is the cpu preset (4 blocks, width 128, 120 steps of 1024 tokens, on the
@@ -107,11 +108,16 @@ def check_trainer_flags(configs, common):
     return expected
 
 
-def run_logs(out, run_name, since=0.0):
-    """The run's logs in out/logs written at or after `since`, oldest first (log names are random
-    uuids, so only the time orders them)."""
-    logs = [(path.stat().st_mtime, path) for path in (out / "logs").glob(f"*_{run_name}/*.txt")]
-    return [path for mtime, path in sorted(logs) if mtime >= since]
+def run_logs(out, label, seed, since=0.0):
+    """[(path, parsed log)] of seed `seed` of configuration `label` in out/logs, written at or
+    after `since`, oldest first (log names are random uuids, so only the time orders them). The
+    seeds of a configuration share its folder, which records/compare.py reads as one set of runs."""
+    found = []
+    for path in (out / "logs").glob(f"*_ab_{label}/*.txt"):
+        mtime = path.stat().st_mtime
+        if mtime >= since and (run := compare.parse_log(path)) is not None and run.config.get("seed") == str(seed):
+            found.append((mtime, str(path), run))
+    return [(Path(path), run) for _, path, run in sorted(found, key=lambda item: item[:2])]
 
 
 def trainer_code_hash():
@@ -125,9 +131,7 @@ def finished_run(out, label, seed, expected, code_hash=None):
     code_hash, one made by that train_gpt.py source only ({"stale": True} where the only ones were
     made by another: a run of an edited trainer is no run of this one). One line if it was made
     with other settings than `expected` (names, seeds and paths aside)."""
-    run_name = f"ab_{label}_s{seed}"
-    logs = run_logs(out, run_name)
-    runs = [run for run in map(compare.parse_log, logs) if run is not None and run.usable]
+    runs = [run for _, run in run_logs(out, label, seed) if run.usable]
     if not runs:
         return None
     if code_hash is not None and not (runs := [run for run in runs if run.code_hash == code_hash]):
@@ -144,11 +148,11 @@ def finished_run(out, label, seed, expected, code_hash=None):
 
 def run_one(job, out, threads):
     label, argv, seed = job
-    run_name = f"ab_{label}_s{seed}"
     command = [sys.executable, str(REPO_ROOT / "train_gpt.py"), *argv, f"--seed={seed}",
-               f"--run_name={run_name}", f"--log_dir={out / 'logs'}", f"--threads={threads}"]
+               f"--run_name=ab_{label}", f"--log_dir={out / 'logs'}", f"--threads={threads}"]
     started = time.time()
-    with open(out / "logs" / f"{run_name}.out", "w") as console:
+    console_path = out / "logs" / f"ab_{label}_s{seed}.out"
+    with open(console_path, "w") as console:
         with STARTING:
             if STOPPED.is_set():
                 return None
@@ -156,18 +160,18 @@ def run_one(job, out, threads):
             RUNNING.add(proc)
         code = proc.wait()
         RUNNING.discard(proc)
-    logs = run_logs(out, run_name, since=started - 1)  # this run's, not an earlier interrupted one's
-    run = compare.parse_log(logs[-1]) if logs else None
+    logs = run_logs(out, label, seed, since=started - 1)  # this run's, not an earlier interrupted one's
+    log, run = logs[-1] if logs else (None, None)
     problem = None
     if run is None:
-        last = (out / "logs" / f"{run_name}.out").read_text().strip().splitlines()
+        last = console_path.read_text().strip().splitlines()
         problem = f"no log (exit status {code}: {last[-1] if last else 'no output'})"
     elif not run.usable:
         problem = "; ".join(run.problems)
     elif code != 0:
         problem = f"exit status {code}"
     return dict(label=label, seed=seed, run=run, problem=problem, seconds=time.time() - started,
-                log=str(logs[-1]) if logs else None)
+                log=str(log) if log else None)
 
 
 def end_runs(pool):

@@ -23,6 +23,12 @@ AB = str(ROOT / "bench" / "ab.py")
 VAL_RE = re.compile(r"^step:(\d+)/(\d+) val_loss:(\S+) ")
 
 
+def seed_log(out, label, seed):
+    """The one log of seed `seed` of configuration `label` (the seeds share its folder)."""
+    (log,) = [log for log in (out / "logs").glob(f"*_ab_{label}/*.txt") if f"\nseed={seed}\n" in log.read_text()]
+    return log
+
+
 def final_loss(log):
     finals = [float(m.group(3)) for line in log.read_text().splitlines()
               if (m := VAL_RE.match(line)) and m.group(1) == m.group(2)]
@@ -45,7 +51,7 @@ def test_ab_end_to_end(make_shards, tmp_path):
     losses = {}
     for label in ("base", "low"):
         for seed in (0, 1):
-            (log,) = (out / "logs").glob(f"*_ab_{label}_s{seed}/*.txt")
+            log = seed_log(out, label, seed)
             text = log.read_text()
             assert f"seed={seed}" in text and f"muon_lr={0.05 if label == 'base' else 0.01}" in text
             losses.setdefault(label, []).append(final_loss(log))
@@ -76,6 +82,13 @@ def test_ab_end_to_end(make_shards, tmp_path):
     assert f"| low | `--muon_lr=0.01` | 2 | {np.mean(losses['low']):.4f} |" in table
     assert f"Common flags: `{common}`" in table
     assert table in done.stdout
+    # a configuration's logs are one folder, as records/compare.py reads a set of runs
+    (low_dir,), (base_dir,) = ((out / "logs").glob(f"*_ab_{label}") for label in ("low", "base"))
+    compared = subprocess.run([sys.executable, str(ROOT / "records" / "compare.py"), str(low_dir), str(base_dir),
+                               "--out", str(tmp_path / "compared")], capture_output=True, text=True, timeout=120)
+    assert compared.returncode == 0, compared.stderr
+    assert "runs: " in compared.stdout and "run_name" not in compared.stdout
+    assert f"{np.mean(losses['low']):.4f}" in compared.stdout
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -137,7 +150,7 @@ def test_resume_reuses_finished_runs_and_refuses_changed_flags(make_shards, tmp_
 
     first = ab("--config", "base=--muon_lr 0.05", "--seeds", "1")
     assert first.returncode == 0, first.stdout + first.stderr
-    (base_log,) = (out / "logs").glob("*_ab_base_s0/*.txt")
+    base_log = seed_log(out, "base", 0)
     refused = ab("--config", "base=--muon_lr 0.05", "--seeds", "1")
     assert refused.returncode != 0 and "--resume" in refused.stderr
 
@@ -150,16 +163,16 @@ def test_resume_reuses_finished_runs_and_refuses_changed_flags(make_shards, tmp_
 
     # An earlier, interrupted run of low seed 1 whose log name sorts after any uuid: the rerun's
     # own log is read, not it.
-    interrupted = out / "logs" / f"{datetime.date.today().isoformat()}_ab_low_s1" / "ffffffff.txt"
+    interrupted = out / "logs" / f"{datetime.date.today().isoformat()}_ab_low" / "ffffffff.txt"
     interrupted.parent.mkdir()
-    interrupted.write_text(base_log.read_text().split("step:2/")[0])
+    interrupted.write_text(base_log.read_text().split("step:2/")[0].replace("\nseed=0\n", "\nseed=1\n"))
     os.utime(interrupted, (1e9, 1e9))
 
     more = ab("--config", "base=--muon_lr 0.05", "--config", "low=--muon_lr 0.01", "--seeds", "2", "--resume")
     assert more.returncode == 0, more.stdout + more.stderr
     assert all(r["problem"] is None for r in json.loads((out / "ab.json").read_text())["runs"])
     assert "1 finished runs reused" in more.stdout and "3 runs (2 configurations x 2 seeds)" in more.stdout
-    assert list((out / "logs").glob("*_ab_base_s0/*.txt")) == [base_log]
+    assert seed_log(out, "base", 0) == base_log
     report = json.loads((out / "ab.json").read_text())
     assert [(r["label"], r["seed"]) for r in report["runs"]] == [("base", 0), ("low", 0), ("base", 1), ("low", 1)]
     assert report["runs"][0]["final_val_loss"] == final_loss(base_log)
@@ -188,7 +201,7 @@ def test_resume_runs_again_what_another_train_gpt_made_and_the_report_names_a_mi
                               capture_output=True, text=True, timeout=120)
     first = ab("--seeds", "2")
     assert first.returncode == 0, first.stdout + first.stderr
-    (log_0,), (log_1,) = ((out / "logs").glob(f"*_ab_base_s{seed}/*.txt") for seed in (0, 1))
+    log_0, log_1 = (seed_log(out, "base", seed) for seed in (0, 1))
     assert compare.parse_log(log_0).code_hash == ab_module.trainer_code_hash()
     assert "warning" not in (out / "ab.md").read_text()
     edited_trainer(log_0)
@@ -196,7 +209,7 @@ def test_resume_runs_again_what_another_train_gpt_made_and_the_report_names_a_mi
     again = ab("--seeds", "2", "--resume")
     assert again.returncode == 0, again.stdout + again.stderr
     assert "--resume: 1 finished runs reused; 1 made by another train_gpt.py run again" in again.stdout
-    assert len(list((out / "logs").glob("*_ab_base_s0/*.txt"))) == 2
+    assert sum("\nseed=0\n" in log.read_text() for log in (out / "logs").glob("*_ab_base/*.txt")) == 2
     assert "warning" not in (out / "ab.md").read_text()  # both runs in the report are of this train_gpt.py
 
     edited_trainer(log_1)  # --report-only takes what is there, and says it mixes code versions
