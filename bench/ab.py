@@ -16,6 +16,7 @@ configurations in about 20 minutes.
 """
 
 import collections
+import datetime
 import json
 import math
 import os
@@ -102,21 +103,31 @@ def check_trainer_flags(configs, common):
     expected = {}
     for label, argv in configs:
         expected[label], problem = trainer_config(common + argv)
-        if problem:
-            common_problem = trainer_config(common)[1]
-            fail(f"--common: {common_problem}" if common_problem else f"--config {label}: {problem}")
+        if problem:  # the common flags' own failure is theirs; one the configuration brings is its own
+            fail(f"--common: {problem}" if trainer_config(common)[1] == problem else f"--config {label}: {problem}")
     return expected
+
+
+def label_folder(out, label):
+    """Where the trainer puts a configuration's logs today (its folder is <date>_<run_name>): made
+    before a run starts, so that a trainer's check of its log folder never removes it under another."""
+    folder = out / "logs" / f"{datetime.date.today().isoformat()}_ab_{label}"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
 
 
 def run_logs(out, label, seed, since=0.0):
     """[(path, parsed log)] of seed `seed` of configuration `label` in out/logs, written at or
     after `since`, oldest first (log names are random uuids, so only the time orders them). The
-    seeds of a configuration share its folder, which records/compare.py reads as one set of runs."""
+    seeds of a configuration share its folder (<date>_ab_<label>, as records/compare.py reads a set
+    of runs; an A/B of an earlier ab.py has one per seed, <date>_ab_<label>_s<seed>)."""
+    folder = re.compile(rf"\d{{4}}-\d{{2}}-\d{{2}}_ab_{re.escape(label)}(_s{seed})?")
     found = []
-    for path in (out / "logs").glob(f"*_ab_{label}/*.txt"):
-        mtime = path.stat().st_mtime
-        if mtime >= since and (run := compare.parse_log(path)) is not None and run.config.get("seed") == str(seed):
-            found.append((mtime, str(path), run))
+    for path in (out / "logs").glob("*/*.txt"):
+        if not folder.fullmatch(path.parent.name) or path.stat().st_mtime < since:
+            continue
+        if (run := compare.parse_log(path)) is not None and run.config.get("seed") == str(seed):
+            found.append((path.stat().st_mtime, str(path), run))
     return [(Path(path), run) for _, path, run in sorted(found, key=lambda item: item[:2])]
 
 
@@ -131,18 +142,20 @@ def finished_run(out, label, seed, expected, code_hash=None):
     code_hash, one made by that train_gpt.py source only ({"stale": True} where the only ones were
     made by another: a run of an edited trainer is no run of this one). One line if it was made
     with other settings than `expected` (names, seeds and paths aside)."""
-    runs = [run for _, run in run_logs(out, label, seed) if run.usable]
-    if not runs:
+    logs = [(path, run) for path, run in run_logs(out, label, seed) if run.usable]
+    if not logs:
         return None
-    if code_hash is not None and not (runs := [run for run in runs if run.code_hash == code_hash]):
-        return dict(stale=True)
-    run = runs[-1]
+    run = logs[-1][1]
     differing = [f"{key} ({run.config[key]} vs {value})" for key, value in expected.items()
                  if key in run.config and key not in compare.IGNORED_CONFIG | set(OWN_FLAGS)
                  and run.config[key] != value]
     if differing:
         fail(f"--resume: {run.path} was run with other settings than --config {label} now has: "
              f"{', '.join(differing)}; use a new --out")
+    if code_hash is not None:
+        if not (current := [run for _, run in logs if run.code_hash == code_hash]):
+            return dict(stale=[path for path, _ in logs])
+        run = current[-1]
     return dict(label=label, seed=seed, run=run, problem=None, seconds=0.0, log=str(run.path), reused=True)
 
 
@@ -151,6 +164,7 @@ def run_one(job, out, threads):
     command = [sys.executable, str(REPO_ROOT / "train_gpt.py"), *argv, f"--seed={seed}",
                f"--run_name=ab_{label}", f"--log_dir={out / 'logs'}", f"--threads={threads}"]
     started = time.time()
+    label_folder(out, label)
     console_path = out / "logs" / f"ab_{label}_s{seed}.out"
     with open(console_path, "w") as console:
         with STARTING:
@@ -299,17 +313,24 @@ def markdown(rows, common, results):
     return "\n".join(lines) + "\n"
 
 
-def code_versions_warning(results):
-    """A line for the report where the runs were made by more than one train_gpt.py source
-    (--report-only over runs of an edited trainer): which runs differ from the most common."""
+def report_warnings(configs, results):
+    """Lines for the report: runs made by more than one train_gpt.py source (--report-only over
+    runs of an edited trainer), and a configuration whose logs lie in several folders (an A/B
+    that ran over midnight: records/compare.py reads one folder at a time)."""
+    lines = []
     versions = collections.Counter(r["run"].code_hash for r in results if r["run"] and r["run"].code_hash)
-    if len(versions) < 2:
-        return ""
-    common = versions.most_common(1)[0][0]
-    odd = ", ".join(f"{r['label']} seed {r['seed']}" for r in results
-                    if r["run"] and r["run"].code_hash not in (None, common))
-    return (f"\nwarning: the runs were made by {len(versions)} versions of train_gpt.py (the source each log "
-            f"starts with); unlike the most common: {odd}. Their statistics mix code versions.\n")
+    if len(versions) > 1:
+        common = versions.most_common(1)[0][0]
+        odd = ", ".join(f"{r['label']} seed {r['seed']}" for r in results
+                        if r["run"] and r["run"].code_hash not in (None, common))
+        lines.append(f"warning: the runs were made by {len(versions)} versions of train_gpt.py (the source each log "
+                     f"starts with); unlike the most common: {odd}. Their statistics mix code versions.")
+    for label, _ in configs:
+        folders = sorted({Path(r["log"]).parent.name for r in results if r["label"] == label and r["log"]})
+        if len(folders) > 1:
+            lines.append(f"warning: the logs of {label} lie in {len(folders)} folders ({', '.join(folders)}); "
+                         "records/compare.py reads one folder at a time")
+    return "".join(f"\n{line}\n" for line in lines)
 
 
 def plot(configs, results, path):
@@ -393,13 +414,20 @@ def main(argv=None):
         code_hash = None if args.report_only else trainer_code_hash()
         earlier = [finished_run(out, label, seed, dict(expected[label], seed=str(seed)), code_hash)
                    for label, _, seed in jobs]
-        results = [r for r in earlier if r is not None and not r.get("stale")]
+        results = [r for r in earlier if r is not None and "stale" not in r]
         reused = {(r["label"], r["seed"]) for r in results}
         jobs = [job for job in jobs if (job[0], job[2]) not in reused]
-        stale = sum(1 for r in earlier if r is not None and r.get("stale"))
-        print(f"--resume: {len(reused)} finished runs reused"
-              + (f"; {stale} made by another train_gpt.py run again" if stale else ""), flush=True)
+        stale = [path for r in earlier if r is not None for path in r.get("stale", [])]
+        for path in stale:  # out of the configuration's folder, which compare.py reads as its runs
+            moved = out / "logs" / "replaced" / path.parent.name / path.name
+            moved.parent.mkdir(parents=True, exist_ok=True)
+            path.rename(moved)
+        print(f"--resume: {len(reused)} finished runs reused" + (
+            f"; {len(stale)} made by another train_gpt.py run again (their logs moved to {out / 'logs' / 'replaced'})"
+            if stale else ""), flush=True)
     if args.report_only:
+        if not results:
+            fail(f"--report-only: {out} holds no finished run of these configurations and seeds")
         print(f"--report-only: {len(jobs)} runs not finished are left out of the report", flush=True)
         jobs = []
     print(f"{len(jobs)} runs ({len(configs)} configurations x {args.seeds} seeds), {parallel} at a time, "
@@ -419,7 +447,7 @@ def main(argv=None):
              enumerate((label, seed) for seed in range(args.seeds) for label, _ in configs)}
     results.sort(key=lambda r: order[(r["label"], r["seed"])])
     rows = statistics(configs, results)
-    report = markdown(rows, args.common, results) + code_versions_warning(results)
+    report = markdown(rows, args.common, results) + report_warnings(configs, results)
     (out / "ab.md").write_text(report)
     (out / "ab.json").write_text(json.dumps(dict(
         common=args.common, seeds=args.seeds, threads=args.threads, parallel=parallel,

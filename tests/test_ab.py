@@ -99,6 +99,8 @@ def test_ab_end_to_end(make_shards, tmp_path):
     (["--config", "a b=--normuon true"], "expected LABEL=\"FLAGS\""),
     (["--config", "a=", "--seeds", "0"], "--seeds: expected a positive integer"),
     (["--config", "a=", "--common", "--preset gpu"], "--common: --preset='gpu': expected one of"),
+    (["--config", "a=--save_checkpoint true", "--config", "b=--save_checkpoint true --muon_lrr 0.1",
+      "--common", "--preset cpu --checkpoint_every 10"], "--config b: unknown option --muon_lrr"),
 ])
 def test_bad_arguments_fail_in_one_line_before_any_run(tmp_path, argv, message):
     out = tmp_path / "ab"
@@ -205,12 +207,18 @@ def test_resume_runs_again_what_another_train_gpt_made_and_the_report_names_a_mi
     assert compare.parse_log(log_0).code_hash == ab_module.trainer_code_hash()
     assert "warning" not in (out / "ab.md").read_text()
     edited_trainer(log_0)
+    changed = subprocess.run([sys.executable, AB, "--config", "base=--muon_lr 0.02", "--seeds", "2", "--resume",
+                              "--common", common, "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert changed.returncode != 0 and "vs 0.02); use a new --out" in changed.stderr  # refused, not run again
 
     again = ab("--seeds", "2", "--resume")
     assert again.returncode == 0, again.stdout + again.stderr
     assert "--resume: 1 finished runs reused; 1 made by another train_gpt.py run again" in again.stdout
-    assert sum("\nseed=0\n" in log.read_text() for log in (out / "logs").glob("*_ab_base/*.txt")) == 2
+    # the old log leaves the configuration's folder, which compare.py would read as one more run
+    assert (out / "logs" / "replaced" / log_0.parent.name / log_0.name).exists() and not log_0.exists()
+    assert seed_log(out, "base", 0) != log_0
     assert "warning" not in (out / "ab.md").read_text()  # both runs in the report are of this train_gpt.py
+    log_0 = seed_log(out, "base", 0)
 
     edited_trainer(log_1)  # --report-only takes what is there, and says it mixes code versions
     report = ab("--seeds", "2", "--report-only")
@@ -220,3 +228,27 @@ def test_resume_runs_again_what_another_train_gpt_made_and_the_report_names_a_mi
     assert warning in (out / "ab.md").read_text() and warning in report.stdout
     codes = [r["code_sha1"] for r in json.loads((out / "ab.json").read_text())["runs"]]
     assert len(set(codes)) == 2 and codes[0] == ab_module.trainer_code_hash()
+
+    # An A/B of the earlier ab.py (a folder per seed) is read; another label's folder is not.
+    old_layout = log_1.parent.parent / f"{log_1.parent.name}_s1"
+    old_layout.mkdir()
+    log_1.rename(old_layout / log_1.name)
+    other = log_0.parent.parent / log_0.parent.name.replace("_ab_base", "_ab_other_ab_base")  # label other_ab_base's
+    other.mkdir()
+    (other / "copy.txt").write_text(log_0.read_text())
+    report = ab("--seeds", "2", "--report-only")
+    assert report.returncode == 0, report.stdout + report.stderr
+    runs = json.loads((out / "ab.json").read_text())["runs"]
+    assert [Path(r["log"]) for r in runs] == [log_0, old_layout / log_1.name]
+    assert "lie in 2 folders" in (out / "ab.md").read_text()
+
+
+def test_report_only_without_finished_runs_keeps_the_report_there(tmp_path):
+    out = tmp_path / "ab"
+    (out / "logs").mkdir(parents=True)
+    (out / "ab.md").write_text("earlier results\n")
+    done = subprocess.run([sys.executable, AB, "--config", "a=", "--out", str(out), "--report-only"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and done.stderr.strip().splitlines() == [
+        f"ab.py: error: --report-only: {out} holds no finished run of these configurations and seeds"]
+    assert (out / "ab.md").read_text() == "earlier results\n"
