@@ -2328,8 +2328,8 @@ def resolve_data_files(args):
                 "data/sample/ (CPython documentation text, see data/sample/MANIFEST.json)")
         hints = ["", ""]
     if not os.path.isdir(os.path.join(REPO_DIR, "data", "sample")):  # a copy of this file outside the repository
-        hints = [f" (the default data lies beside train_gpt.py, and {REPO_DIR} holds no data/ of this repository: "
-                 f"run a fork from the repository's root, or set --{option})" if is_default else ""
+        hints = [f" (the default data lies in data/ beside train_gpt.py, and {REPO_DIR} has no data/sample/: keep "
+                 f"a fork in the repository's root, beside data/, or set --{option})" if is_default else ""
                  for option, is_default in zip(("train_files", "val_files"), defaults)]
     # A pattern the user gave is looked at first: a typo there is likelier than a missing download.
     order = sorted(range(2), key=lambda i: defaults[i])

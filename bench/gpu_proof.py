@@ -245,18 +245,18 @@ def run_proof(opts):
         budget = opts.budgets[phase]
         print(f"[gpu_proof] {phase}: running (budget {budget:.0f} s)", flush=True)
         try:
-            phases[phase] = run_phase_process(phase, out, budget, env)
+            phases[phase] = result = run_phase_process(phase, out, budget, env)
+            print(f"[gpu_proof] {phase}: {result['status']} in {result.get('seconds', 0):.0f} s "
+                  f"({result['checks']['passed']} checks passed, {result['checks']['failed']} failed, "
+                  f"{len(result['errors'])} errors)", flush=True)
+            # After every phase: a command cut short from outside still leaves the report of the phases it ran.
+            write_report(out, build_report(phases, commands, opts.cpu_smoke))
         except KeyboardInterrupt:  # `timeout` around a lease's command, or Ctrl-C: keep what the phase finished
-            phases[phase] = read_phase_result(phase, out)
-            phases[phase]["status"] = "interrupted"
+            if phase not in phases:
+                phases[phase] = read_phase_result(phase, out)
+                phases[phase]["status"] = "interrupted"
             write_report(out, build_report(phases, commands, opts.cpu_smoke))
             raise
-        result = phases[phase]
-        print(f"[gpu_proof] {phase}: {result['status']} in {result.get('seconds', 0):.0f} s "
-              f"({result['checks']['passed']} checks passed, {result['checks']['failed']} failed, "
-              f"{len(result['errors'])} errors)", flush=True)
-        # After every phase: a command cut short from outside still leaves the report of the phases it ran.
-        write_report(out, build_report(phases, commands, opts.cpu_smoke))
     print(f"[gpu_proof] wrote {os.path.join(out, 'report.md')} and report.json", flush=True)
     return 0 if all(p["status"] in ("ok", "skipped") for p in phases.values()) else 1
 
@@ -1460,11 +1460,13 @@ def render_markdown(report):
 
 
 def write_report(out, report):
+    """report.json and report.md, each written whole or not at all (a signal may come mid-write)."""
     os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "report.json"), "w") as f:
-        json.dump(report, f, indent=1, default=str)
-    with open(os.path.join(out, "report.md"), "w") as f:
-        f.write(render_markdown(report))
+    for name, text in (("report.json", json.dumps(report, indent=1, default=str)),
+                       ("report.md", render_markdown(report))):
+        with open(os.path.join(out, f".{name}.tmp"), "w") as f:
+            f.write(text)
+        os.replace(os.path.join(out, f".{name}.tmp"), os.path.join(out, name))
 
 
 def load_report(path):

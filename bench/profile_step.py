@@ -99,7 +99,7 @@ def device_time_per_step(trace, steps):
     # (fewer, fused kernels help); long ones are the GPU waiting on the host or on a sync.
     # Clipped to the span: a copy before the first kernel (the step's input) or after the last is no idle time in it.
     busy = sorted((max(e["ts"], start), min(e["ts"] + e["dur"], end)) for e in device
-                  if e["ts"] < end and e["ts"] + e["dur"] > start)
+                  if e["ts"] <= end and e["ts"] + e["dur"] >= start)  # every kernel is in it, also one of 0 us
     short, long_ = [], []
     covered = busy[0][1]
     for begin, finish in busy[1:]:

@@ -96,6 +96,8 @@ def test_idle_time_is_split_into_launch_gaps_and_long_gaps():
     assert figures["idle, gaps < 10 us"] == pytest.approx(((4 + 2 + 6) / 1e3 / 2, 3 / 2))
     assert figures["idle, gaps >= 10 us"] == pytest.approx(((500 + 50) / 1e3 / 2, 2 / 2))
     assert figures["span (first to last kernel)"] == (1100 / 1e3 / 2, None)
+    instant = profile_step.device_time_per_step({"traceEvents": [event("kernel", 5, 0)]}, steps=1)
+    assert instant["idle, gaps < 10 us"] == (0, 0) and instant["span (first to last kernel)"] == (0, None)
 
 
 def sync_here():

@@ -7,8 +7,8 @@ same gradients: a fork that changes the model's math (another activation, anothe
 window off by one) fails here, not after a GPU run. Where ../shared holds the record script, its
 own model code is run too, on CPU, and must give record_loss's value.
 
-The model is the speedrun's layout at width 128 (one head of 128, as the record's attention
-requires): 12 blocks, no attention in block 7, value embeddings 012...012, long and short
+The model is the speedrun's layout at width 128 and 256 (one and two heads of 128, as the record's
+attention requires): 12 blocks, no attention in block 7, value embeddings 012...012, long and short
 windows LSSSLSSLSSSL, on 512 tokens in 128-token blocks. Weights are random, not the zero
 initialization, so that every path carries signal."""
 
@@ -24,28 +24,27 @@ import train_gpt
 from conftest import effective_block_mask
 
 PEER = Path(__file__).resolve().parents[1].parent / "shared" / "peers" / "modded-nanogpt_9d9dc969_train_gpt.py"
-L, DIM, T, BLOCK = 12, 128, 512, 128
+L, T, BLOCK = 12, 512, 128
 VOCAB = 50304  # BOS is 50256: the vocabulary cannot shrink
-ARGS = train_gpt.Hyperparameters(model_dim=DIM, num_heads=1, head_dim=128, train_seq_len=T, val_seq_len=T,
-                                 bf16_embeds=False)
 CPU = train_gpt.Hardware(torch.device("cpu"), torch.float32, "sdpa", False, "torch", "gloo")
 
 
-def record_weights(seed=0):
-    """Random weights in the record's layout and its names."""
+def record_weights(heads, seed=0):
+    """Random weights in the record's layout and its names, at width 128 x heads."""
+    dim = 128 * heads
     g = torch.Generator().manual_seed(seed)
 
     def rand(*shape, scale):
         return (torch.randn(*shape, generator=g) * scale).requires_grad_()
-    w = {"embed.weight": rand(VOCAB, DIM, scale=1.0), "lm_head.weight": rand(VOCAB, DIM, scale=DIM ** -0.5)}
+    w = {"embed.weight": rand(VOCAB, dim, scale=1.0), "lm_head.weight": rand(VOCAB, dim, scale=dim ** -0.5)}
     for i in range(3):
-        w[f"value_embeds.{i}.weight"] = rand(VOCAB, DIM, scale=1.0)
+        w[f"value_embeds.{i}.weight"] = rand(VOCAB, dim, scale=1.0)
     for i in range(L):
         if i != 7:
-            w[f"blocks.{i}.attn.qkvo_w"] = rand(4, DIM, DIM, scale=DIM ** -0.5)
-            w[f"blocks.{i}.attn.attn_gate.weight"] = rand(1, 12, scale=0.5)
-        w[f"blocks.{i}.mlp.c_fc"] = rand(DIM, 4 * DIM, scale=DIM ** -0.5)
-        w[f"blocks.{i}.mlp.c_proj"] = rand(DIM, 4 * DIM, scale=(4 * DIM) ** -0.5)
+            w[f"blocks.{i}.attn.qkvo_w"] = rand(4, dim, dim, scale=dim ** -0.5)
+            w[f"blocks.{i}.attn.attn_gate.weight"] = rand(heads, 12, scale=0.5)
+        w[f"blocks.{i}.mlp.c_fc"] = rand(dim, 4 * dim, scale=dim ** -0.5)
+        w[f"blocks.{i}.mlp.c_proj"] = rand(dim, 4 * dim, scale=(4 * dim) ** -0.5)
     # skip weights (12, the first 6 used), block lambdas (12 x 2), attention lambdas (12 x 2), padding
     w["scalars"] = (torch.cat([torch.ones(L), torch.tensor([1.0, 0.0]).repeat(L), torch.full((2 * L,), 0.5),
                                torch.ones(4)]) + 0.2 * torch.randn(5 * L + 4, generator=g)).requires_grad_()
@@ -62,6 +61,7 @@ def tokens_and_targets(seed=0):
 
 def record_loss(w, tokens, targets, long_blocks, training=True):
     """The record's GPT.forward on weights w (its layout), in float32."""
+    H = w["blocks.0.attn.qkvo_w"].size(1) // 128  # heads of 128
     def norm(x):  # norm(x) = F.rms_norm(x, (x.size(-1),))
         return F.rms_norm(x, (x.size(-1),))
 
@@ -94,13 +94,13 @@ def record_loss(w, tokens, targets, long_blocks, training=True):
         x = lambdas[i][0] * x + lambdas[i][1] * x0
         if i != 7:  # Block: attention if layer_idx != 7
             a, qkvo = norm(x), w[f"blocks.{i}.attn.qkvo_w"]
-            qh, kh, vh = F.linear(a, qkvo[:3].flatten(end_dim=1)).view(1, T, 3, 128).chunk(3, dim=-2)
+            qh, kh, vh = F.linear(a, qkvo[:3].flatten(end_dim=1)).view(1, T, 3 * H, 128).chunk(3, dim=-2)
             qh, kh = rotary(norm(qh)), rotary(norm(kh))  # QK norm, then rotary
             vh = sa_lambdas[i][0] * vh + (sa_lambdas[i][1] * ve[i].view_as(vh) if ve[i] is not None else 0)
             y = F.scaled_dot_product_attention(qh.transpose(1, 2), kh.transpose(1, 2), vh.transpose(1, 2),
                                                attn_mask=masks["LSSSLSSLSSSL"[i]], scale=0.12).transpose(1, 2)
-            y = y * torch.sigmoid(F.linear(a[..., :12], w[f"blocks.{i}.attn.attn_gate.weight"])).view(1, T, 1, 1)
-            x = x + F.linear(y.reshape(1, T, 128), qkvo[3])
+            y = y * torch.sigmoid(F.linear(a[..., :12], w[f"blocks.{i}.attn.attn_gate.weight"])).view(1, T, H, 1)
+            x = x + F.linear(y.reshape(1, T, 128 * H), qkvo[3])
         h = F.relu(F.linear(norm(x), w[f"blocks.{i}.mlp.c_fc"].T)).square()  # relu(x).square()
         x = x + F.linear(h, w[f"blocks.{i}.mlp.c_proj"])
         if i < L // 2:
@@ -109,9 +109,11 @@ def record_loss(w, tokens, targets, long_blocks, training=True):
     return F.cross_entropy(logits.view(-1, logits.size(-1)), targets, reduction="sum" if training else "mean")
 
 
-def ours_from(w):
+def ours_from(w, heads):
     """Our GPT with the record's weights w: {our parameter name: (record name, how to take it)}."""
-    model = train_gpt.GPT(ARGS, CPU)
+    args = train_gpt.Hyperparameters(model_dim=128 * heads, num_heads=heads, head_dim=128, train_seq_len=T,
+                                     val_seq_len=T, bf16_embeds=False)
+    model = train_gpt.GPT(args, CPU)
     source = {"embed.weight": ("embed.weight", None), "lm_head_w": ("lm_head.weight", None),
               "skip_weights": ("scalars", slice(0, L // 2))}
     for i in range(3):
@@ -133,11 +135,11 @@ def ours_from(w):
     return model, source
 
 
-@pytest.mark.parametrize("long_blocks", [1, 3])  # at the start (short window 0: one block) and later
-def test_the_speedrun_model_is_the_records_forward_and_backward(long_blocks):
-    w = record_weights()
+@pytest.mark.parametrize("heads, long_blocks", [(1, 1), (1, 3), (2, 3)])  # long 1: short 0, one block
+def test_the_speedrun_model_is_the_records_forward_and_backward(heads, long_blocks):
+    w = record_weights(heads)
     tokens, targets = tokens_and_targets()
-    model, source = ours_from(w)
+    model, source = ours_from(w, heads)
     expected = record_loss(w, tokens, targets, long_blocks)
     got = model(tokens, targets, torch.tensor(long_blocks))
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=0)
@@ -180,13 +182,13 @@ def record_model_module():
 
 
 @pytest.mark.skipif(not PEER.exists(), reason="../shared/peers is absent")
-@pytest.mark.parametrize("long_blocks", [1, 2, 3, 4])
-def test_record_loss_is_what_the_records_own_model_code_computes(long_blocks):
+@pytest.mark.parametrize("heads, long_blocks", [(1, 1), (1, 2), (1, 3), (1, 4), (2, 3)])
+def test_record_loss_is_what_the_records_own_model_code_computes(heads, long_blocks):
     """The record's classes, forward only (its attention is checked in forward; record_loss's
     backward is autograd's, and ours is checked against it above)."""
     record = record_model_module()
-    model = record["GPT"](vocab_size=50257, num_layers=L, num_heads=1, model_dim=DIM, max_seq_len=T)
-    w = record_weights()
+    model = record["GPT"](vocab_size=50257, num_layers=L, num_heads=heads, model_dim=128 * heads, max_seq_len=T)
+    w = record_weights(heads)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(w[name])

@@ -228,8 +228,8 @@ def test_a_copy_of_train_gpt_outside_the_repository_says_where_its_default_data_
                           cwd=tmp_path)
     assert done.returncode == train_gpt.EXIT_ERROR, done.stderr
     assert done.stderr == (f"train_gpt.py: error: {fork.parent}/data/sample/sample_train_*.bin: no training shards "
-                           f"match (the default data lies beside train_gpt.py, and {fork.parent} holds no data/ of "
-                           "this repository: run a fork from the repository's root, or set --train_files)\n")
+                           f"match (the default data lies in data/ beside train_gpt.py, and {fork.parent} has no "
+                           "data/sample/: keep a fork in the repository's root, beside data/, or set --train_files)\n")
     assert not (tmp_path / "logs").exists()
 
 
