@@ -16,7 +16,6 @@ configurations in about 20 minutes.
 """
 
 import collections
-import datetime
 import json
 import math
 import os
@@ -109,9 +108,13 @@ def check_trainer_flags(configs, common):
 
 
 def label_folder(out, label):
-    """Where the trainer puts a configuration's logs today (its folder is <date>_<run_name>): made
-    before a run starts, so that a trainer's check of its log folder never removes it under another."""
-    folder = out / "logs" / f"{datetime.date.today().isoformat()}_ab_{label}"
+    """Where the trainer puts a configuration's logs today (train_gpt.run_folder): made before a run
+    starts, so that a trainer's check of its log folder never removes it under another."""
+    import types
+
+    import train_gpt
+
+    folder = Path(train_gpt.run_folder(types.SimpleNamespace(log_dir=str(out / "logs"), run_name=f"ab_{label}")))
     folder.mkdir(parents=True, exist_ok=True)
     return folder
 
