@@ -73,8 +73,8 @@ BOS_TOKEN = 50256  # GPT-2's <|endoftext|>; every document in a shard starts wit
 # ideas (other orthogonalizers, NorMuon, cautious weight decay, Moonlight's update scale) are flags
 # that are off.
 # The `cpu` preset shrinks the model and data so a laptop finishes in minutes. Precedence:
-# preset < environment (upper-case field name, e.g. NUM_ITERATIONS=100) < command line
-# (--num_iterations 100). Every value is checked before any process group, file or tensor is
+# preset < the --resume checkpoint's configuration < environment (upper-case field name, e.g.
+# NUM_ITERATIONS=100) < command line (--num_iterations 100). Every value is checked before any process group, file or tensor is
 # touched, and a bad one ends the program with a single line that names the field.
 
 @dataclass
@@ -296,11 +296,15 @@ def parse_config(argv, environ, world_size=1, cuda_available=None):
     if cuda_available is None:
         cuda_available = torch.cuda.is_available()
     cli, help_requested = command_line_options(argv)
-    preset = cli.get("preset", environ.get("PRESET", "speedrun" if cuda_available else "cpu"))
+    from_environment = set_by_environment(cli, environ)
+    # --resume continues a run as it was trained: the fields this command leaves unset are the checkpoint's
+    trained = resumed_configuration(cli.get("resume", environ.get("RESUME", "")))
+    machine_default = "speedrun" if cuda_available else "cpu"
+    preset = cli.get("preset", environ.get("PRESET", trained.get("preset", machine_default)))
     if preset not in PRESETS:
         raise ConfigError(f"--preset={preset!r}: expected one of {', '.join(PRESETS)}")
     values = dict(PRESETS[preset], preset=preset)
-    from_environment = set_by_environment(cli, environ)
+    values.update((name, value) for name, value in trained.items() if name not in LAUNCH_FIELDS | {"resume"})
     for f in dataclasses.fields(Hyperparameters):
         if f.name in cli:
             values[f.name] = _parse_value(f"--{f.name}", cli[f.name], f.type)
@@ -362,7 +366,9 @@ def field_descriptions():
 def config_help(args, cuda_available, from_environment=()):
     descriptions = field_descriptions()
     lines = ["usage: train_gpt.py [--field value ...]   (or FIELD=value in the environment)",
-             f"Values are those of the {args.preset} preset with this environment and command line; "
+             f"Values are those of the {args.preset} preset"
+             + (f", then of the --resume checkpoint (but for this machine's {', '.join(sorted(LAUNCH_FIELDS))})"
+                if args.resume else "") + f", with this environment and command line; "
              f"presets: {', '.join(PRESETS)} (--preset, default {'speedrun' if cuda_available else 'cpu'} "
              "on this machine).", ""]
     settings = [(f"--{f.name}={getattr(args, f.name)}", f) for f in dataclasses.fields(Hyperparameters)]
@@ -2804,13 +2810,16 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
 # --resume continues such a run exactly where it stopped; --sample prints text from the model.
 
 CHECKPOINT_FORMAT = 1
+# Fields of this machine and this command: a resumed run takes them from its own command line,
+# environment and preset, never from the checkpoint (whose machine may have had other GPUs, or none).
+LAUNCH_FIELDS = {"device", "threads", "compile", "compile_scope", "overlap_comms", "ns_backend", "dist_timeout_s",
+                 "check_every", "warmup_steps"}
 # Fields that choose where, how fast or with what logging training runs, not what it computes (device and
 # ns_backend change rounding only): a run may resume with other values of these. The data may move
 # to another folder: the loader's shard is checked by name and length (TrainBatches.check_position).
-RESUME_FREE_FIELDS = {"run_name", "log_dir", "target_val_loss", "val_every", "warmup_steps", "device", "threads",
-                      "train_files", "val_files",
-                      "compile", "compile_scope", "overlap_comms", "ns_backend", "dist_timeout_s", "check_every", "save_checkpoint",
-                      "checkpoint_every", "resume", "sample", "prompt", "max_new_tokens", "temperature", "top_k"}
+RESUME_FREE_FIELDS = LAUNCH_FIELDS | {"run_name", "log_dir", "target_val_loss", "val_every", "train_files", "val_files",
+                                      "save_checkpoint", "checkpoint_every", "resume", "sample", "prompt",
+                                      "max_new_tokens", "temperature", "top_k"}
 # tiktoken's sha256 of GPT-2's BPE files (vocab.bpe, encoder.json).
 GPT2_BPE_SHA256 = ("1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
                    "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783")
@@ -2900,8 +2909,7 @@ def read_checkpoint(path, option, args=None):
         raise ConfigError(f"--{option}={path!r}: not a checkpoint written by train_gpt.py")
     if args is not None:
         here = dataclasses.asdict(args)
-        # A field added since the checkpoint was written (a fork's new flag) counts at its default.
-        saved = {**dataclasses.asdict(Hyperparameters()), **checkpoint["config"]}
+        saved = with_new_fields_at_default(checkpoint["config"])
         differ = [name for name in sorted((saved.keys() | here.keys()) - RESUME_FREE_FIELDS)
                   if saved.get(name, "(absent)") != here.get(name, "(absent)")]
         if differ:
@@ -2911,6 +2919,26 @@ def read_checkpoint(path, option, args=None):
             raise ConfigError(f"--{option}={path!r}: saved at the run's last step ({checkpoint['step']}/"
                               f"{args.num_iterations}); nothing is left to train")
     return checkpoint
+
+
+def with_new_fields_at_default(config):
+    """A checkpoint's configuration where a field added since it was written (a fork's new flag)
+    counts at its default in Hyperparameters."""
+    return {**dataclasses.asdict(Hyperparameters()), **config}
+
+
+def resumed_configuration(path):
+    """The configuration the --resume checkpoint at path was trained with, restricted to the fields
+    this train_gpt.py knows; {} without --resume or where the file cannot be read (read_checkpoint
+    names why once the options have passed their own checks)."""
+    if not path:
+        return {}
+    try:
+        config = with_new_fields_at_default(read_checkpoint(path, "resume")["config"])
+    except ConfigError:
+        return {}
+    known = {f.name for f in dataclasses.fields(Hyperparameters)}
+    return {name: value for name, value in config.items() if name in known}
 
 
 def restore_checkpoint(checkpoint, path, model, optimizer, ranks, hw, log):

@@ -61,8 +61,10 @@ def single(data, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("single")
     argv = tiny_argv(**data, **RESUME, log_dir=tmp / "full")
     full, final, text = run(argv, keep_at=(N, tmp / "step3.pt"))
-    resumed, resumed_final, resumed_text = run(tiny_argv(**data, **RESUME, log_dir=tmp / "resumed",
-                                                         resume=tmp / "step3.pt", run_name="again"))
+    # --resume alone continues the run as it was configured (the checkpoint's data, windows, schedule,
+    # checkpointing, ...); only this machine's fields come from the preset (warmup_steps: TINY's)
+    resumed, resumed_final, resumed_text = run([f"--resume={tmp / 'step3.pt'}", f"--log_dir={tmp / 'resumed'}",
+                                                "--run_name=again", "--warmup_steps=0"])
     return dict(argv=argv, full=full, final=final, text=text, step3=tmp / "step3.pt", resumed=resumed,
                 resumed_final=resumed_final, resumed_text=resumed_text)
 
@@ -187,6 +189,32 @@ def test_a_checkpoint_of_another_configuration_is_refused(single, tmp_path, caps
         assert train_gpt.main(argv + [f"--resume={tmp_path / name}", f"--log_dir={logs}"], {}) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and message in err and f"--resume='{tmp_path / name}'" in err
+
+
+def test_a_resume_takes_the_fields_it_does_not_set_from_the_checkpoint(single, tmp_path, capsys):
+    path = str(single["step3"])
+    trained = load(path)["config"]
+    args = train_gpt.parse_config([f"--resume={path}"], {}, 1, False)
+    cpu = train_gpt.parse_config([], {}, 1, False)
+    for name, value in vars(args).items():
+        if name == "resume":
+            assert value == path
+        elif name in train_gpt.LAUNCH_FIELDS:  # this machine's: the cpu preset's
+            assert value == getattr(cpu, name), name
+        else:
+            assert value == trained[name], name
+    assert (args.num_layers, args.micro_batches, args.save_checkpoint) == (4, 2, True)  # not the cpu preset's
+    # set fields win: those that may differ are taken, the others must agree with the checkpoint
+    args = train_gpt.parse_config([f"--resume={path}", "--val_every=1", "--num_layers=4"], {"RUN_NAME": "b"}, 1, False)
+    assert (args.val_every, args.run_name, args.num_layers) == (1, "b", 4)
+    assert train_gpt.main([f"--resume={path}", f"--log_dir={tmp_path}"], {"SEED": "5"}) == train_gpt.EXIT_CONFIG
+    assert capsys.readouterr().err == (f"train_gpt.py: error: --resume={path!r}: trained with a different "
+                                       "configuration: seed=0 there, 5 here\n")
+    # the environment's RESUME is read as the option is; --help shows the values the run would take
+    with pytest.raises(train_gpt.HelpRequested, match=r"--micro_batches=2 "):
+        train_gpt.parse_config(["--help"], {"RESUME": path}, 1, False)
+    # a checkpoint that cannot be read lends nothing, and is named once the options pass their checks
+    assert train_gpt.parse_config([f"--resume={tmp_path / 'missing.pt'}"], {}, 1, False).num_layers == cpu.num_layers
 
 
 def test_a_field_added_since_the_checkpoint_counts_at_its_default(single, tmp_path):
