@@ -297,14 +297,21 @@ def parse_config(argv, environ, world_size=1, cuda_available=None):
         cuda_available = torch.cuda.is_available()
     cli, help_requested = command_line_options(argv)
     from_environment = set_by_environment(cli, environ)
-    # --resume continues a run as it was trained: the fields this command leaves unset are the checkpoint's
-    trained = resumed_configuration(cli.get("resume", environ.get("RESUME", "")))
-    machine_default = "speedrun" if cuda_available else "cpu"
-    preset = cli.get("preset", environ.get("PRESET", trained.get("preset", machine_default)))
+    set_fields = set(cli) | from_environment
+    # --resume continues a run as it was trained: the fields this command leaves unset are the
+    # checkpoint's. Its one read before training; one that fails is named once the options pass.
+    resume_path = cli.get("resume", environ.get("RESUME", ""))
+    resumed, unreadable = None, None
+    if resume_path:
+        try:
+            resumed = read_checkpoint(resume_path, "resume")
+        except ConfigError as e:
+            unreadable = e
+    inherited = resumed_fields(resumed, resume_path, set_fields)
+    preset = cli.get("preset", environ.get("PRESET", inherited.get("preset", "speedrun" if cuda_available else "cpu")))
     if preset not in PRESETS:
         raise ConfigError(f"--preset={preset!r}: expected one of {', '.join(PRESETS)}")
-    values = dict(PRESETS[preset], preset=preset)
-    values.update((name, value) for name, value in trained.items() if name not in LAUNCH_FIELDS | {"resume"})
+    values = {**PRESETS[preset], "preset": preset, **inherited}
     for f in dataclasses.fields(Hyperparameters):
         if f.name in cli:
             values[f.name] = _parse_value(f"--{f.name}", cli[f.name], f.type)
@@ -316,17 +323,23 @@ def parse_config(argv, environ, world_size=1, cuda_available=None):
     except ConfigError as e:
         if not help_requested:
             try:
-                check_against_checkpoint(args, set(cli) | from_environment)
+                if resumed is not None:
+                    check_resumable(resumed, resume_path, args)
+                check_against_checkpoint(args, set_fields)
             except CheckpointMismatch:
                 raise
             except Exception:  # a checkpoint that cannot be read is named once the options are right
                 pass
-            raise
+            raise from_the_checkpoint(e, inherited) from None
         refusal = named_as_set(str(e), argv, environ)
-        raise HelpRequested(f"{config_help(args, cuda_available, from_environment)}\n"
+        raise HelpRequested(f"{config_help(args, cuda_available, from_environment, unreadable)}\n"
                             f"These values are refused: {refusal}") from None
     if help_requested:  # after the overrides, so the help shows the values this run would use
-        raise HelpRequested(config_help(args, cuda_available, from_environment))
+        raise HelpRequested(config_help(args, cuda_available, from_environment, unreadable))
+    if unreadable is not None:
+        raise unreadable
+    if resumed is not None:  # a checkpoint of another configuration is refused before anything starts
+        check_resumable(resumed, resume_path, args)
     return args
 
 
@@ -363,12 +376,13 @@ def field_descriptions():
     return descriptions
 
 
-def config_help(args, cuda_available, from_environment=()):
+def config_help(args, cuda_available, from_environment=(), unreadable=None):
+    """unreadable: why the --resume checkpoint could not be read (its values are then missing)."""
     descriptions = field_descriptions()
     lines = ["usage: train_gpt.py [--field value ...]   (or FIELD=value in the environment)",
              f"Values are those of the {args.preset} preset"
              + (f", then of the --resume checkpoint (but for this machine's {', '.join(sorted(LAUNCH_FIELDS))})"
-                if args.resume else "") + f", with this environment and command line; "
+                if args.resume and unreadable is None else "") + f", with this environment and command line; "
              f"presets: {', '.join(PRESETS)} (--preset, default {'speedrun' if cuda_available else 'cpu'} "
              "on this machine).", ""]
     settings = [(f"--{f.name}={getattr(args, f.name)}", f) for f in dataclasses.fields(Hyperparameters)]
@@ -381,6 +395,8 @@ def config_help(args, cuda_available, from_environment=()):
         if f.name in from_environment:  # a variable left in the shell shows up here
             text += f" (set by {f.name.upper()} in the environment)"
         lines.append(f"  {setting.ljust(width)}{f.type.__name__:6} {text}".rstrip())
+    if unreadable is not None:
+        lines.append(f"The --resume checkpoint gives no values: {unreadable}")
     if trains_on_sample(args):
         lines.append(f"FineWeb's shards are not all in {os.path.join(REPO_DIR, 'data/fineweb10B')}: this run reads "
                      f"the embedded sample, {', '.join(SAMPLE_FILES)}.")
@@ -2327,7 +2343,8 @@ def resolve_data_files(args):
     note = f"data: training on {patterns[0]}, validating on {patterns[1]}"
     hints = [f" (FineWeb, the default of --{option}: run `python data/cached_fineweb10B.py`, or set --{option}"
              + ("; the embedded sample stands in only where neither option is set)" if args.preset == "cpu" else ")")
-             if is_default else "" for option, is_default in zip(("train_files", "val_files"), defaults)]
+             if is_default else f" (--{option}, or its value in the --resume checkpoint)" if args.resume else ""
+             for option, is_default in zip(("train_files", "val_files"), defaults)]
     if trains_on_sample(args):
         patterns = [os.path.join(REPO_DIR, p) for p in SAMPLE_FILES]
         note = ("data: FineWeb's shards are not all in data/fineweb10B/; training on the embedded sample in "
@@ -2908,17 +2925,23 @@ def read_checkpoint(path, option, args=None):
     if not isinstance(checkpoint, dict) or checkpoint.get("format") != CHECKPOINT_FORMAT:
         raise ConfigError(f"--{option}={path!r}: not a checkpoint written by train_gpt.py")
     if args is not None:
-        here = dataclasses.asdict(args)
-        saved = with_new_fields_at_default(checkpoint["config"])
-        differ = [name for name in sorted((saved.keys() | here.keys()) - RESUME_FREE_FIELDS)
-                  if saved.get(name, "(absent)") != here.get(name, "(absent)")]
-        if differ:
-            raise CheckpointMismatch(f"--{option}={path!r}: trained with a different configuration: " + ", ".join(
-                f"{n}={saved.get(n, '(absent)')!r} there, {here.get(n, '(absent)')!r} here" for n in differ))
-        if checkpoint["step"] >= args.num_iterations:
-            raise ConfigError(f"--{option}={path!r}: saved at the run's last step ({checkpoint['step']}/"
-                              f"{args.num_iterations}); nothing is left to train")
+        check_resumable(checkpoint, path, args)
     return checkpoint
+
+
+def check_resumable(checkpoint, path, args):
+    """Refuse to resume a checkpoint trained with another configuration (naming every field that
+    differs) or one that has nothing left to train."""
+    here = dataclasses.asdict(args)
+    saved = with_new_fields_at_default(checkpoint["config"])
+    differ = [name for name in sorted((saved.keys() | here.keys()) - RESUME_FREE_FIELDS)
+              if saved.get(name, "(absent)") != here.get(name, "(absent)")]
+    if differ:
+        raise CheckpointMismatch(f"--resume={path!r}: trained with a different configuration: " + ", ".join(
+            f"{n}={saved.get(n, '(absent)')!r} there, {here.get(n, '(absent)')!r} here" for n in differ))
+    if checkpoint["step"] >= args.num_iterations:
+        raise ConfigError(f"--resume={path!r}: saved at the run's last step ({checkpoint['step']}/"
+                          f"{args.num_iterations}); nothing is left to train")
 
 
 def with_new_fields_at_default(config):
@@ -2927,18 +2950,32 @@ def with_new_fields_at_default(config):
     return {**dataclasses.asdict(Hyperparameters()), **config}
 
 
-def resumed_configuration(path):
-    """The configuration the --resume checkpoint at path was trained with, restricted to the fields
-    this train_gpt.py knows; {} without --resume or where the file cannot be read (read_checkpoint
-    names why once the options have passed their own checks)."""
-    if not path:
+def resumed_fields(checkpoint, path, set_fields):
+    """{field: value} a resumed run takes from its checkpoint (None: no --resume, or an unreadable
+    one): what this command leaves unset, except this machine's fields (LAUNCH_FIELDS). The two
+    checkpoint options go together: setting one (--save_checkpoint false) keeps the other's too."""
+    if checkpoint is None:
         return {}
-    try:
-        config = with_new_fields_at_default(read_checkpoint(path, "resume")["config"])
-    except ConfigError:
-        return {}
+    config = with_new_fields_at_default(checkpoint["config"])
+    if config["preset"] not in PRESETS:
+        raise ConfigError(f"--resume={path!r}: trained with the preset {config['preset']!r}, which this "
+                          f"train_gpt.py does not have ({', '.join(PRESETS)})")
+    kept = set(set_fields) | LAUNCH_FIELDS | {"resume"}
+    if kept & {"save_checkpoint", "checkpoint_every"}:
+        kept |= {"save_checkpoint", "checkpoint_every"}
     known = {f.name for f in dataclasses.fields(Hyperparameters)}
-    return {name: value for name, value in config.items() if name in known}
+    return {name: value for name, value in config.items() if name in known - kept}
+
+
+def from_the_checkpoint(error, inherited):
+    """A ConfigError about a value the --resume checkpoint gave (its first --field is in inherited),
+    saying so: the user did not write it."""
+    named = re.match(r"--(\w+)", str(error))
+    if not named or named.group(1) not in inherited:
+        return error
+    name = named.group(1)
+    remedy = f"set --{name} to change it" if name in RESUME_FREE_FIELDS else "which the resumed run must keep"
+    return type(error)(f"{error} (the value of the --resume checkpoint, {remedy})")
 
 
 def restore_checkpoint(checkpoint, path, model, optimizer, ranks, hw, log):
@@ -3024,12 +3061,10 @@ MODEL_FIELDS = ("vocab_size", "num_layers", "model_dim", "num_heads", "head_dim"
 
 
 def check_against_checkpoint(args, set_fields):
-    """With --resume or --sample, a set field that the checkpoint's configuration contradicts is the
+    """With --sample, a set field that the checkpoint's configuration contradicts is the
     mistake to name (CheckpointMismatch; parse_config asks first where the field also fails its own
     check: --num_layers 6 against a 4-block checkpoint is that, not the window pattern that no
     longer fits). Returns --sample's checkpoint and the configuration it was trained with."""
-    if args.resume:
-        read_checkpoint(args.resume, "resume", args)
     if not args.sample:
         return None, None
     checkpoint = read_checkpoint(args.sample, "sample")
@@ -3094,9 +3129,11 @@ def main(argv=None, environ=None):
         if args.sample:
             return sample_main(args, set(cli) | from_environment)
         if ranks.is_master:  # the only rank that writes there
-            check_log_dir(args)
-        if args.resume:  # a checkpoint of another configuration is refused before anything starts
-            read_checkpoint(args.resume, "resume", args)
+            try:
+                check_log_dir(args)
+            except ConfigError as e:
+                unset = {name for name in ("log_dir", "run_name") if name not in cli and name not in from_environment}
+                raise from_the_checkpoint(e, unset if args.resume else ()) from None
         hw = Hardware.detect(args, ranks)
     except ConfigError as e:
         # Every process of a machine reads the same options, environment and GPUs: its local rank

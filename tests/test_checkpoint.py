@@ -214,7 +214,48 @@ def test_a_resume_takes_the_fields_it_does_not_set_from_the_checkpoint(single, t
     with pytest.raises(train_gpt.HelpRequested, match=r"--micro_batches=2 "):
         train_gpt.parse_config(["--help"], {"RESUME": path}, 1, False)
     # a checkpoint that cannot be read lends nothing, and is named once the options pass their checks
-    assert train_gpt.parse_config([f"--resume={tmp_path / 'missing.pt'}"], {}, 1, False).num_layers == cpu.num_layers
+    missing = str(tmp_path / "missing.pt")
+    with pytest.raises(train_gpt.ConfigError, match="^--val_every=-1: must not be negative$"):
+        train_gpt.parse_config([f"--resume={missing}", "--val_every=-1"], {}, 1, False)
+    with pytest.raises(train_gpt.ConfigError, match=f"^--resume='{missing}': no such file$"):
+        train_gpt.parse_config([f"--resume={missing}"], {}, 1, False)
+    with pytest.raises(train_gpt.HelpRequested) as shown:
+        train_gpt.parse_config([f"--resume={missing}", "--help"], {}, 1, False)
+    assert "then of the --resume checkpoint" not in str(shown.value)
+    assert f"The --resume checkpoint gives no values: --resume='{missing}': no such file" in str(shown.value)
+
+
+def test_a_value_from_the_checkpoint_that_fails_here_says_where_it_came_from(single, tmp_path, capsys):
+    path = str(single["step3"])
+    # checkpointing goes as a pair: turning it off keeps the checkpoint's --checkpoint_every out too
+    args = train_gpt.parse_config([f"--resume={path}", "--save_checkpoint=false"], {}, 1, False)
+    assert (args.save_checkpoint, args.checkpoint_every) == (False, 0)
+    assert train_gpt.main([f"--resume={path}"], {"CHECKPOINT_EVERY": "1"}) == 2
+    assert capsys.readouterr().err == "train_gpt.py: error: CHECKPOINT_EVERY=1: needs --save_checkpoint true\n"
+    # a value the checkpoint gave that fails here says so, and how to change it
+    with pytest.raises(train_gpt.ConfigError) as refused:
+        train_gpt.parse_config([f"--resume={path}"], {}, 3, False)
+    assert str(refused.value) == ("--micro_batches=2: world size 3 must divide it (set --micro_batches=3 or another "
+                                  "multiple of 3) (the value of the --resume checkpoint, which the resumed run must keep)")
+    checkpoint = load(path)
+    checkpoint["config"].update(log_dir=str(tmp_path / "file" / "logs"), train_files=str(tmp_path / "gone_*.bin"))
+    (tmp_path / "file").write_text("a file, not a folder")
+    torch.save(checkpoint, tmp_path / "other_machine.pt")
+    other = str(tmp_path / "other_machine.pt")
+    assert train_gpt.main([f"--resume={other}"], {}) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"train_gpt.py: error: --log_dir='{tmp_path / 'file' / 'logs'}': cannot write")
+    assert err.endswith(" (the value of the --resume checkpoint, set --log_dir to change it)\n")
+    assert train_gpt.main([f"--resume={other}", f"--log_dir={tmp_path / 'logs'}"], {}) == 1
+    assert capsys.readouterr().err == (f"train_gpt.py: error: {tmp_path / 'gone_*.bin'}: no training shards match "
+                                       "(--train_files, or its value in the --resume checkpoint)\n")
+    # a preset this file does not have (a fork's) is the checkpoint's, and named so
+    checkpoint["config"]["preset"] = "laptop"
+    torch.save(checkpoint, tmp_path / "fork.pt")
+    for argv in ([], ["--preset=cpu"]):
+        with pytest.raises(train_gpt.ConfigError, match=r"^--resume='.*fork.pt': trained with the preset 'laptop', "
+                                                        r"which this train_gpt.py does not have \(speedrun, cpu\)$"):
+            train_gpt.parse_config([f"--resume={tmp_path / 'fork.pt'}"] + argv, {}, 1, False)
 
 
 def test_a_field_added_since_the_checkpoint_counts_at_its_default(single, tmp_path):
