@@ -843,8 +843,9 @@ def orthogonalize_torch(G: torch.Tensor, method: str = "newton_schulz", coeffs: 
             A = rounded((A.to(s.dtype) * s[:, :, None] * s[:, None, :]).to(X.dtype))
             X = rounded((X.to(s.dtype) * s[:, :, None]).to(X.dtype))
         # baddbmm keeps b*A (resp. a*X) and the product in one fp32 accumulation on
-        # GPU, matching the kernels' epilogues.
-        B = rounded(torch.baddbmm(A, A, A, beta=b, alpha=c))
+        # GPU, matching the kernels' epilogues. A cubic step (c = 0) skips it: on CPU,
+        # bf16 and fp16 baddbmm with alpha=0 ignore beta from 32 rows on (torch 2.13).
+        B = rounded(b * A) if c == 0 else rounded(torch.baddbmm(A, A, A, beta=b, alpha=c))
         X = rounded(torch.baddbmm(X, B, X, beta=a, alpha=1.0))
     if tall:
         X = X.mT

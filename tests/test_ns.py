@@ -322,6 +322,16 @@ def test_bf16_emulation_tracks_real_bf16():
     assert abs(polar_error(real, G) - polar_error(emulated, G)) < 0.01
 
 
+def test_a_cubic_step_in_bf16_is_computed_as_in_fp32():
+    """--ns_coeffs with c = 0 (the classic cubic 1.5, -0.5, 0): CPU bf16 baddbmm with alpha=0
+    ignores beta on stacks of 32 rows and more, which made the step return X + X X^T X."""
+    G = random_input((2, 32, 96), False, seed=3)
+    cubic = [(1.5, -0.5, 0.0)] * 4
+    real = ns.orthogonalize_torch(G.bfloat16(), "newton_schulz", cubic).double()
+    emulated = ns.orthogonalize_torch(G.bfloat16().float(), "newton_schulz", cubic, round_through=torch.bfloat16)
+    assert (real - emulated.double()).abs().max() < 0.05
+
+
 # ----------------------------------------------------------------------------- API
 
 @pytest.mark.parametrize("shape", [(16, 48), (48, 16), (2, 3, 16, 24)], ids=str)
