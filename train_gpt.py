@@ -38,6 +38,7 @@ import re
 import resource
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import tokenize
@@ -156,6 +157,8 @@ class Hyperparameters:
     top_k: int = 50                     # sample among the k most likely tokens (0: among all)
 
 
+FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(Hyperparameters))
+
 # The cpu preset: a 4-block model at width 128 on short sequences; the 50304-token vocabulary stays
 # (the data is GPT-2 tokens), so the head dominates the cost. Trains in a few minutes on 2 cores.
 PRESETS = {
@@ -266,7 +269,6 @@ def _parse_value(option, text, kind):
 
 def command_line_options(argv):
     """{field: value text} of the options on the command line, and whether --help is among them."""
-    kinds = {f.name for f in dataclasses.fields(Hyperparameters)}
     cli = {}
     help_requested = False
     it = iter(argv)
@@ -278,8 +280,8 @@ def command_line_options(argv):
             raise ConfigError(f"unexpected argument {token!r}: options look like --field value")
         name, sep, value = token[2:].partition("=")
         name = name.replace("-", "_")
-        if name not in kinds:
-            close = difflib.get_close_matches(name, kinds, n=1)
+        if name not in FIELD_NAMES:
+            close = difflib.get_close_matches(name, FIELD_NAMES, n=1)
             hint = f" (did you mean --{close[0]}?)" if close else ""
             raise ConfigError(f"unknown option --{name}{hint}")
         if not sep:
@@ -346,7 +348,7 @@ def parse_config(argv, environ, world_size=1, cuda_available=None):
 def set_by_environment(cli, environ):
     """The fields the environment sets: those the command line (cli, as command_line_options
     reads it) leaves unset and an upper-case variable names."""
-    return {f.name for f in dataclasses.fields(Hyperparameters) if f.name not in cli and f.name.upper() in environ}
+    return {name for name in FIELD_NAMES if name not in cli and name.upper() in environ}
 
 
 def named_as_set(message, argv, environ):
@@ -413,26 +415,22 @@ def run_folder(args):
 
 
 def check_log_dir(args):
-    """The run's log folder must be creatable and writable: checked by creating it and writing a
-    probe file there (permission bits alone would pass /proc for root), then removing both again."""
+    """The run's log folder must be creatable and writable: checked by creating it and a temporary
+    file there (permission bits alone would pass /proc for root), then removing both again."""
     folder = run_folder(args)
-    created = []
-    probe = os.path.join(folder, f".probe-{uuid.uuid4()}")
+    created = []  # deepest first; a run that fails before logging leaves nothing behind
+    missing = folder
+    while missing and not os.path.isdir(missing):
+        created.append(missing)
+        missing = os.path.dirname(missing)
     try:
-        missing = folder
-        while missing and not os.path.isdir(missing):
-            created.append(missing)
-            missing = os.path.dirname(missing)
         os.makedirs(folder, exist_ok=True)
-        with open(probe, "x") as f:
-            f.write("probe\n")
+        tempfile.NamedTemporaryFile(dir=folder).close()
     except OSError as e:
         raise ConfigError(f"--log_dir={args.log_dir!r}: cannot write a file in {folder!r} "
                           f"({e.strerror or e})") from None
     finally:
-        if os.path.exists(probe):
-            os.remove(probe)
-        for path in created:  # deepest first; a run that fails before logging leaves nothing behind
+        for path in created:
             try:
                 os.rmdir(path)
             except OSError:
@@ -802,11 +800,7 @@ def _scale_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.promote_types(t.dtype, torch.float32)
 
 
-def _row_abs_sum(A: torch.Tensor) -> torch.Tensor:
-    return A.to(_scale_dtype(A)).abs().sum(-1)
-
-
-def _first_step_row_scale(method: str, A: torch.Tensor, row_abs_sum: torch.Tensor | None) -> torch.Tensor:
+def _first_step_row_scale(method: str, A: torch.Tensor, row_abs_sum: torch.Tensor | None = None) -> torch.Tensor:
     """Per-row scale s (batch, m) such that diag(s) X has spectral norm <= 1.
 
     AOL: s_i = 1/sqrt(sum_j |A_ij|) (Schur test). Frobenius methods: the same
@@ -814,6 +808,7 @@ def _first_step_row_scale(method: str, A: torch.Tensor, row_abs_sum: torch.Tenso
     Computed in fp32, or fp64 for fp64 inputs.
     """
     if method == "aol":
+        row_abs_sum = A.to(_scale_dtype(A)).abs().sum(-1) if row_abs_sum is None else row_abs_sum
         return torch.rsqrt(row_abs_sum.to(_scale_dtype(A)).clamp_min(AOL_ROW_SUM_FLOOR))
     frobenius = A.diagonal(dim1=-2, dim2=-1).to(_scale_dtype(A)).sum(-1).sqrt()
     inv_norm = 1.0 / (FROBENIUS_SAFETY[method] * frobenius + FROBENIUS_OFFSET[method])
@@ -838,7 +833,7 @@ def orthogonalize_torch(G: torch.Tensor, method: str = "newton_schulz", coeffs: 
     for step, (a, b, c) in enumerate(coeffs):
         A = rounded(X @ X.mT)
         if step == 0:
-            s = _first_step_row_scale(method, A, _row_abs_sum(A) if method == "aol" else None)
+            s = _first_step_row_scale(method, A)
             # Scale in fp32 and round once, as the kernels do when they load the tiles.
             A = rounded((A.to(s.dtype) * s[:, :, None] * s[:, None, :]).to(X.dtype))
             X = rounded((X.to(s.dtype) * s[:, :, None]).to(X.dtype))
@@ -859,8 +854,7 @@ def aol_precondition(G: torch.Tensor) -> torch.Tensor:
     table has to lift to 1, so this is the matrix to measure when choosing the table.
     """
     X, tall = _as_wide_stack(G)
-    A = X @ X.mT
-    s = _first_step_row_scale("aol", A, _row_abs_sum(A))
+    s = _first_step_row_scale("aol", X @ X.mT)
     X = (X.to(s.dtype) * s[:, :, None]).to(X.dtype)
     return (X.mT if tall else X).reshape(G.shape)
 
@@ -1176,7 +1170,6 @@ def poly_apply_triton(B: torch.Tensor, X: torch.Tensor, a: float, row_scale: tor
 def orthogonalize_triton(G: torch.Tensor, method: str = "newton_schulz", coeffs: list | None = None) -> torch.Tensor:
     """Kernel version of orthogonalize_torch (same algorithm); the result is contiguous in G's shape."""
     coeffs = _resolve_coeffs(method, coeffs)
-    _require_triton(G)
     X, tall = _as_wide_stack(G)
     batch, m, n = X.shape
     result = torch.empty(G.shape, dtype=G.dtype, device=G.device)
@@ -1250,12 +1243,6 @@ class CommUnit:
         self.pending = set()
         self.work = None
 
-    def arm(self):
-        self.pending = {id(p) for p in self.params}
-
-    def mark_ready(self, param):
-        self.pending.discard(id(param))
-
 
 class MuonBucket(CommUnit):
     """Its tensors are views into its shape group's: grad_stack (padded, m, n) the stacked gradients,
@@ -1285,13 +1272,12 @@ class AdamShard(CommUnit):
         self.rows_per_rank = -(-rows // world_size)
         self.padded_rows = self.rows_per_rank * world_size
         padded_shape = (self.padded_rows, *spec.param.shape[1:])
-        pad = self.padded_rows != rows and world_size > 1
-        make = functools.partial(torch.zeros, padded_shape, device=device, dtype=spec.param.dtype)
-        self.grad_buffer = make() if pad else None
-        self.param_buffer = make() if pad else None
-        local_shape = (self.rows_per_rank, *spec.param.shape[1:]) if world_size > 1 else spec.param.shape
+        make = functools.partial(torch.zeros, device=device, dtype=spec.param.dtype)
+        self.grad_buffer = self.param_buffer = None  # at world size 1 no rows are padded
+        if self.padded_rows != rows:
+            self.grad_buffer, self.param_buffer = make(padded_shape), make(padded_shape)
         # moments in the parameter's dtype, as the record keeps them (bf16 for bf16 embeddings)
-        self.exp_avg = torch.zeros(local_shape, device=device, dtype=spec.param.dtype)
+        self.exp_avg = make((self.rows_per_rank, *spec.param.shape[1:]))
         self.exp_avg_sq = torch.zeros_like(self.exp_avg)
 
 
@@ -1513,7 +1499,7 @@ class ShardedMuonAdam:
     def arm_for_final_backward(self):
         """Call before the backward of the last micro-step: its gradients are final."""
         for unit in self.units:
-            unit.arm()
+            unit.pending = {id(p) for p in unit.params}
         self._armed = True
         self._next_unit = 0
 
@@ -1521,7 +1507,7 @@ class ShardedMuonAdam:
         if not self._armed:
             return
         for unit in self._units_of.get(id(param), ()):
-            unit.mark_ready(param)
+            unit.pending.discard(id(param))
         self._launch_ready_units()
 
     def _launch_ready_units(self, force=False):
@@ -2016,12 +2002,9 @@ class GPT(nn.Module):
 
     def forward(self, tokens, targets, long_window_blocks):
         """tokens, targets: (T,) int64. Returns the cross-entropy (fp32) summed over the T positions
-        in training, as the record does (its FP8 gradient scale assumes it), averaged in eval mode."""
+        in training, as the record does (its FP8 gradient scale assumes it), averaged in eval mode;
+        without targets, the (T, vocab_size) fp32 soft-capped logits."""
         return self.head(self.trunk(tokens, long_window_blocks), targets)
-
-    def logits(self, tokens, long_window_blocks):
-        """(T,) tokens -> (T, vocab_size) fp32 soft-capped logits."""
-        return self.head(self.trunk(tokens, long_window_blocks))
 
     def compile_for_training(self, scope, backend="inductor"):
         """scope "model": one graph for the whole forward (and one for validation), as the record
@@ -2964,8 +2947,7 @@ def resumed_fields(checkpoint, path, set_fields):
     kept = set(set_fields) | LAUNCH_FIELDS | {"resume"}
     if kept & {"save_checkpoint", "checkpoint_every"}:
         kept |= {"save_checkpoint", "checkpoint_every"}
-    known = {f.name for f in dataclasses.fields(Hyperparameters)}
-    return {name: value for name, value in config.items() if name in known - kept}
+    return {name: value for name, value in config.items() if name in FIELD_NAMES - kept}
 
 
 def from_the_checkpoint(error, inherited):
@@ -3069,8 +3051,7 @@ def check_against_checkpoint(args, set_fields):
     if not args.sample:
         return None, None
     checkpoint = read_checkpoint(args.sample, "sample")
-    known = {f.name for f in dataclasses.fields(Hyperparameters)}
-    unknown = sorted(checkpoint["config"].keys() - known)
+    unknown = sorted(checkpoint["config"].keys() - FIELD_NAMES)
     if unknown:
         raise ConfigError(f"--sample={args.sample!r}: its configuration has fields this train_gpt.py does not know: "
                           + ", ".join(unknown))

@@ -32,7 +32,7 @@ def test_logits_and_loss_shapes():
     model, args = tiny_model()
     inputs, targets = random_tokens(args.train_seq_len)
     window = torch.tensor(2)
-    logits = model.logits(inputs, window)
+    logits = model(inputs, None, window)
     assert logits.shape == (args.train_seq_len, args.vocab_size) and logits.dtype == torch.float32
     # the soft cap bounds logits to (0, 2*cap)
     assert logits.min() >= 0 and logits.max() <= 2 * args.logit_softcap
@@ -56,7 +56,7 @@ def test_validation_loss_in_chunks_equals_the_unchunked_mean(monkeypatch):
         model.lm_head_w.normal_(0, 0.05)
     model.eval()
     inputs, targets = random_tokens(args.train_seq_len, docs=4)
-    whole = F.cross_entropy(model.logits(inputs, torch.tensor(4)), targets)
+    whole = F.cross_entropy(model(inputs, None, torch.tensor(4)), targets)
     monkeypatch.setattr(train_gpt, "VAL_HEAD_CHUNK", 48)  # 128 rows: chunks of 48, 48 and 32
     with torch.no_grad():
         chunked = model(inputs, targets, torch.tensor(4))
@@ -195,9 +195,9 @@ def test_fp8_head_is_close_to_full_precision_and_only_used_in_training():
     full_hw = train_gpt.Hardware(torch.device("cpu"), torch.float32, "sdpa", False, "torch", "gloo")
     fp8_hw = train_gpt.Hardware(torch.device("cpu"), torch.float32, "sdpa", True, "torch", "gloo")
     model.hw = full_hw
-    full = model.logits(inputs, window)
+    full = model(inputs, None, window)
     model.hw = fp8_hw
-    fp8 = model.logits(inputs, window)
+    fp8 = model(inputs, None, window)
     # the FP8 path is really taken, and stays within FP8 rounding of the full-precision logits
     assert not torch.equal(fp8, full)
     centered = full - full.mean()
@@ -205,7 +205,7 @@ def test_fp8_head_is_close_to_full_precision_and_only_used_in_training():
     summed = model(inputs, targets, window).item()  # training: summed over positions
     assert summed / len(targets) == pytest.approx(F.cross_entropy(full, targets).item(), abs=2e-3)
     model.eval()  # validation measures the model without FP8
-    assert torch.equal(model.logits(inputs, window), full)
+    assert torch.equal(model(inputs, None, window), full)
 
 
 def test_compiled_blocks_stay_compiled_for_training_and_validation():
