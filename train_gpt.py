@@ -303,13 +303,13 @@ def parse_config(argv, environ, world_size=1, cuda_available=None):
     # --resume continues a run as it was trained: the fields this command leaves unset are the
     # checkpoint's. Its one read before training; one that fails is named once the options pass.
     resume_path = cli.get("resume", environ.get("RESUME", ""))
-    resumed, unreadable = None, None
+    resumed, unreadable, inherited = None, None, {}
     if resume_path:
         try:
             resumed = read_checkpoint(resume_path, "resume")
+            inherited = resumed_fields(resumed, resume_path, set_fields)
         except ConfigError as e:
-            unreadable = e
-    inherited = resumed_fields(resumed, resume_path, set_fields)
+            resumed, unreadable = None, e
     preset = cli.get("preset", environ.get("PRESET", inherited.get("preset", "speedrun" if cuda_available else "cpu")))
     if preset not in PRESETS:
         raise ConfigError(f"--preset={preset!r}: expected one of {', '.join(PRESETS)}")
@@ -320,12 +320,14 @@ def parse_config(argv, environ, world_size=1, cuda_available=None):
         elif f.name in from_environment:
             values[f.name] = _parse_value(f.name.upper(), environ[f.name.upper()], f.type)
     args = Hyperparameters(**values)
+    if "checkpoint_every" in inherited and not args.save_checkpoint:  # --save_checkpoint false, alone
+        args.checkpoint_every = 0
     try:
         check_config(args, world_size, cuda_available)
     except ConfigError as e:
         if not help_requested:
             try:
-                if resumed is not None:
+                if resumed is not None and not args.sample:  # with both, "choose one" is the mistake
                     check_resumable(resumed, resume_path, args)
                 check_against_checkpoint(args, set_fields)
             except CheckpointMismatch:
@@ -425,7 +427,9 @@ def check_log_dir(args):
         missing = os.path.dirname(missing)
     try:
         os.makedirs(folder, exist_ok=True)
-        tempfile.NamedTemporaryFile(dir=folder).close()
+        with tempfile.NamedTemporaryFile(dir=folder) as probe:  # written to: a full disk fails here
+            probe.write(b"probe\n")
+            probe.flush()
     except OSError as e:
         raise ConfigError(f"--log_dir={args.log_dir!r}: cannot write a file in {folder!r} "
                           f"({e.strerror or e})") from None
@@ -2571,7 +2575,7 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
     # here: the lowest rank that failed names the file, once, and every rank ends.
     failure = checkpoint = None
     try:
-        if args.resume:  # main() checked it; a read that fails now fails on one rank alone
+        if args.resume:  # parse_config checked it; a read that fails now fails on one rank alone
             checkpoint = read_checkpoint(args.resume, "resume", args)
         train_files, val_files, data_note = resolve_data_files(args)
         val_tokens = load_val_tokens(val_files, args.val_tokens, pin)
@@ -2935,18 +2939,13 @@ def with_new_fields_at_default(config):
 
 
 def resumed_fields(checkpoint, path, set_fields):
-    """{field: value} a resumed run takes from its checkpoint (None: no --resume, or an unreadable
-    one): what this command leaves unset, except this machine's fields (LAUNCH_FIELDS). The two
-    checkpoint options go together: setting one (--save_checkpoint false) keeps the other's too."""
-    if checkpoint is None:
-        return {}
+    """{field: value} a resumed run takes from its checkpoint: what this command leaves unset,
+    except this machine's fields (LAUNCH_FIELDS)."""
     config = with_new_fields_at_default(checkpoint["config"])
     if config["preset"] not in PRESETS:
         raise ConfigError(f"--resume={path!r}: trained with the preset {config['preset']!r}, which this "
                           f"train_gpt.py does not have ({', '.join(PRESETS)})")
     kept = set(set_fields) | LAUNCH_FIELDS | {"resume"}
-    if kept & {"save_checkpoint", "checkpoint_every"}:
-        kept |= {"save_checkpoint", "checkpoint_every"}
     return {name: value for name, value in config.items() if name in FIELD_NAMES - kept}
 
 

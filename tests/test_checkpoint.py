@@ -230,8 +230,15 @@ def test_a_value_from_the_checkpoint_that_fails_here_says_where_it_came_from(sin
     # checkpointing goes as a pair: turning it off keeps the checkpoint's --checkpoint_every out too
     args = train_gpt.parse_config([f"--resume={path}", "--save_checkpoint=false"], {}, 1, False)
     assert (args.save_checkpoint, args.checkpoint_every) == (False, 0)
-    assert train_gpt.main([f"--resume={path}"], {"CHECKPOINT_EVERY": "1"}) == 2
+    for argv, expected in [(["--checkpoint_every=1"], (True, 1)), (["--checkpoint_every=0"], (True, 0)),
+                           (["--save_checkpoint=true"], (True, N))]:
+        args = train_gpt.parse_config([f"--resume={path}"] + argv, {}, 1, False)
+        assert (args.save_checkpoint, args.checkpoint_every) == expected, argv
+    assert train_gpt.main([f"--resume={path}", "--save_checkpoint=false"], {"CHECKPOINT_EVERY": "1"}) == 2
     assert capsys.readouterr().err == "train_gpt.py: error: CHECKPOINT_EVERY=1: needs --save_checkpoint true\n"
+    # with --sample too, the mistake is the pair, not a field the checkpoint contradicts
+    assert train_gpt.main([f"--resume={path}", f"--sample={path}", "--seed=5"], {}) == 2
+    assert capsys.readouterr().err == "train_gpt.py: error: --sample and --resume: choose one\n"
     # a value the checkpoint gave that fails here says so, and how to change it
     with pytest.raises(train_gpt.ConfigError) as refused:
         train_gpt.parse_config([f"--resume={path}"], {}, 3, False)
@@ -252,10 +259,12 @@ def test_a_value_from_the_checkpoint_that_fails_here_says_where_it_came_from(sin
     # a preset this file does not have (a fork's) is the checkpoint's, and named so
     checkpoint["config"]["preset"] = "laptop"
     torch.save(checkpoint, tmp_path / "fork.pt")
+    fork = r"--resume='.*fork.pt': trained with the preset 'laptop', which this train_gpt.py does not have \(speedrun, cpu\)"
     for argv in ([], ["--preset=cpu"]):
-        with pytest.raises(train_gpt.ConfigError, match=r"^--resume='.*fork.pt': trained with the preset 'laptop', "
-                                                        r"which this train_gpt.py does not have \(speedrun, cpu\)$"):
+        with pytest.raises(train_gpt.ConfigError, match=f"^{fork}$"):
             train_gpt.parse_config([f"--resume={tmp_path / 'fork.pt'}"] + argv, {}, 1, False)
+    with pytest.raises(train_gpt.HelpRequested, match=f"The --resume checkpoint gives no values: {fork}"):
+        train_gpt.parse_config([f"--resume={tmp_path / 'fork.pt'}", "--help"], {}, 1, False)
 
 
 def test_a_field_added_since_the_checkpoint_counts_at_its_default(single, tmp_path):

@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -514,6 +515,29 @@ def test_log_dir_that_root_cannot_write_is_a_config_error(tmp_path, capsys):
     assert train_gpt.main(["--log_dir=/proc/forbidden"], {}) == train_gpt.EXIT_CONFIG
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("train_gpt.py: error: --log_dir='/proc/forbidden': cannot write")
+
+
+def test_log_dir_on_a_full_disk_is_a_config_error(tmp_path, monkeypatch):
+    """A full disk with inodes left creates the probe file but cannot write to it: the check
+    writes, so the run is refused before it starts, not at its log's first line."""
+    real = tempfile.NamedTemporaryFile
+
+    class FullDisk:
+        def __init__(self, **kwargs):
+            self.file = real(**kwargs)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.file.close()
+
+        def write(self, data):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(train_gpt.tempfile, "NamedTemporaryFile", FullDisk)
+    with pytest.raises(train_gpt.ConfigError, match=r"cannot write a file in .* \(No space left on device\)$"):
+        train_gpt.check_log_dir(train_gpt.Hyperparameters(log_dir=str(tmp_path / "records")))
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_log_dir_check_leaves_nothing_behind(tmp_path):
