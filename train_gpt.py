@@ -75,8 +75,9 @@ BOS_TOKEN = 50256  # GPT-2's <|endoftext|>; every document in a shard starts wit
 # that are off.
 # The `cpu` preset shrinks the model and data so a laptop finishes in minutes. Precedence:
 # preset < the --resume checkpoint's configuration < environment (upper-case field name, e.g.
-# NUM_ITERATIONS=100) < command line (--num_iterations 100). Every value is checked before any process group, file or tensor is
-# touched, and a bad one ends the program with a single line that names the field.
+# NUM_ITERATIONS=100) < command line (--num_iterations 100). Every value is checked before any
+# process group, file or tensor is touched, and a bad one ends the program with a single line
+# that names the field.
 
 @dataclass
 class Hyperparameters:
@@ -334,6 +335,9 @@ def parse_config(argv, environ, world_size=1, cuda_available=None):
                 raise
             except Exception:  # a checkpoint that cannot be read is named once the options are right
                 pass
+            named = re.match(r"--(\w+)", str(e))
+            if unreadable is not None and named and named.group(1) not in set_fields:
+                raise unreadable  # the value that fails is one the checkpoint would have replaced
             raise from_the_checkpoint(e, inherited) from None
         refusal = named_as_set(str(e), argv, environ)
         raise HelpRequested(f"{config_help(args, cuda_available, from_environment, unreadable)}\n"
@@ -843,7 +847,7 @@ def orthogonalize_torch(G: torch.Tensor, method: str = "newton_schulz", coeffs: 
             X = rounded((X.to(s.dtype) * s[:, :, None]).to(X.dtype))
         # baddbmm keeps b*A (resp. a*X) and the product in one fp32 accumulation on
         # GPU, matching the kernels' epilogues. A cubic step (c = 0) skips it: on CPU,
-        # bf16 and fp16 baddbmm with alpha=0 ignore beta from 32 rows on (torch 2.13).
+        # bf16 and fp16 baddbmm with alpha=0 ignore beta on all but tiny stacks (torch 2.13).
         B = rounded(b * A) if c == 0 else rounded(torch.baddbmm(A, A, A, beta=b, alpha=c))
         X = rounded(torch.baddbmm(X, B, X, beta=a, alpha=1.0))
     if tall:
@@ -2819,8 +2823,8 @@ CHECKPOINT_FORMAT = 1
 # environment and preset, never from the checkpoint (whose machine may have had other GPUs, or none).
 LAUNCH_FIELDS = {"device", "threads", "compile", "compile_scope", "overlap_comms", "ns_backend", "dist_timeout_s",
                  "check_every", "warmup_steps"}
-# Fields that choose where, how fast or with what logging training runs, not what it computes (device and
-# ns_backend change rounding only): a run may resume with other values of these. The data may move
+# Fields that choose where, how fast or with what logging training runs, not what it computes (device,
+# ns_backend, compile, compile_scope and CPU threads change rounding only): a run may resume with other values of these. The data may move
 # to another folder: the loader's shard is checked by name and length (TrainBatches.check_position).
 RESUME_FREE_FIELDS = LAUNCH_FIELDS | {"run_name", "log_dir", "target_val_loss", "val_every", "train_files", "val_files",
                                       "save_checkpoint", "checkpoint_every", "resume", "sample", "prompt",
@@ -3113,8 +3117,8 @@ def main(argv=None, environ=None):
             try:
                 check_log_dir(args)
             except ConfigError as e:
-                unset = {name for name in ("log_dir", "run_name") if name not in cli and name not in from_environment}
-                raise from_the_checkpoint(e, unset if args.resume else ()) from None
+                inherited = args.resume and "log_dir" not in cli and "log_dir" not in from_environment
+                raise from_the_checkpoint(e, {"log_dir"} if inherited else ()) from None
         hw = Hardware.detect(args, ranks)
     except ConfigError as e:
         # Every process of a machine reads the same options, environment and GPUs: its local rank

@@ -219,6 +219,12 @@ def test_a_resume_takes_the_fields_it_does_not_set_from_the_checkpoint(single, t
         train_gpt.parse_config([f"--resume={missing}", "--val_every=-1"], {}, 1, False)
     with pytest.raises(train_gpt.ConfigError, match=f"^--resume='{missing}': no such file$"):
         train_gpt.parse_config([f"--resume={missing}"], {}, 1, False)
+    # at world size 3: not the preset's micro_batches, which the checkpoint would have replaced;
+    # a value the user set is theirs to mend first
+    with pytest.raises(train_gpt.ConfigError, match=f"^--resume='{missing}': no such file$"):
+        train_gpt.parse_config([f"--resume={missing}"], {}, 3, False)
+    with pytest.raises(train_gpt.ConfigError, match="^--micro_batches=2: world size 3 must divide it"):
+        train_gpt.parse_config([f"--resume={missing}", "--micro_batches=2"], {}, 3, False)
     with pytest.raises(train_gpt.HelpRequested) as shown:
         train_gpt.parse_config([f"--resume={missing}", "--help"], {}, 1, False)
     assert "then of the --resume checkpoint" not in str(shown.value)

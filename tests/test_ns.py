@@ -324,7 +324,7 @@ def test_bf16_emulation_tracks_real_bf16():
 
 def test_a_cubic_step_in_bf16_is_computed_as_in_fp32():
     """--ns_coeffs with c = 0 (the classic cubic 1.5, -0.5, 0): CPU bf16 baddbmm with alpha=0
-    ignores beta on stacks of 32 rows and more, which made the step return X + X X^T X."""
+    ignores beta on all but tiny stacks, which made the step return X + X X^T X."""
     G = random_input((2, 32, 96), False, seed=3)
     cubic = [(1.5, -0.5, 0.0)] * 4
     real = ns.orthogonalize_torch(G.bfloat16(), "newton_schulz", cubic).double()
