@@ -311,7 +311,8 @@ def parse_config(argv, environ, world_size=1, cuda_available=None):
             inherited = resumed_fields(resumed, resume_path, set_fields)
         except ConfigError as e:
             resumed, unreadable = None, e
-    preset = cli.get("preset", environ.get("PRESET", inherited.get("preset", "speedrun" if cuda_available else "cpu")))
+    machine_default = "speedrun" if cuda_available else "cpu"
+    preset = cli.get("preset", environ.get("PRESET", inherited.get("preset", machine_default)))
     if preset not in PRESETS:
         raise ConfigError(f"--preset={preset!r}: expected one of {', '.join(PRESETS)}")
     values = {**PRESETS[preset], "preset": preset, **inherited}
@@ -2823,9 +2824,10 @@ CHECKPOINT_FORMAT = 1
 # environment and preset, never from the checkpoint (whose machine may have had other GPUs, or none).
 LAUNCH_FIELDS = {"device", "threads", "compile", "compile_scope", "overlap_comms", "ns_backend", "dist_timeout_s",
                  "check_every", "warmup_steps"}
-# Fields that choose where, how fast or with what logging training runs, not what it computes (device,
-# ns_backend, compile, compile_scope and CPU threads change rounding only): a run may resume with other values of these. The data may move
-# to another folder: the loader's shard is checked by name and length (TrainBatches.check_position).
+# Fields that choose where, how fast or with what logging training runs, not what it computes
+# (device, ns_backend, compile, compile_scope and CPU threads change rounding only): a run may
+# resume with other values of these. The data may move to another folder: the loader's shard is
+# checked by name and length (TrainBatches.check_position).
 RESUME_FREE_FIELDS = LAUNCH_FIELDS | {"run_name", "log_dir", "target_val_loss", "val_every", "train_files", "val_files",
                                       "save_checkpoint", "checkpoint_every", "resume", "sample", "prompt",
                                       "max_new_tokens", "temperature", "top_k"}
