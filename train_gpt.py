@@ -336,8 +336,7 @@ def parse_config(argv, environ, world_size=1, cuda_available=None):
                 raise
             except Exception:  # a checkpoint that cannot be read is named once the options are right
                 pass
-            named = re.match(r"--(\w+)", str(e))
-            if unreadable is not None and named and named.group(1) not in set_fields:
+            if unreadable is not None and field_named_by(e) not in set_fields | {None}:
                 raise unreadable  # the value that fails is one the checkpoint would have replaced
             raise from_the_checkpoint(e, inherited) from None
         refusal = named_as_set(str(e), argv, environ)
@@ -2334,19 +2333,24 @@ def resolve_data_files(args):
     defaults = [p == default for p, default in zip(given, FINEWEB_FILES)]
     patterns = [os.path.join(REPO_DIR, p) if is_default else p for p, is_default in zip(given, defaults)]
     note = f"data: training on {patterns[0]}, validating on {patterns[1]}"
-    hints = [f" (FineWeb, the default of --{option}: run `python data/cached_fineweb10B.py`, or set --{option}"
-             + ("; the embedded sample stands in only where neither option is set)" if args.preset == "cpu" else ")")
-             if is_default else f" (--{option}, or its value in the --resume checkpoint)" if args.resume else ""
-             for option, is_default in zip(("train_files", "val_files"), defaults)]
-    if trains_on_sample(args):
+    on_sample = trains_on_sample(args)
+    if on_sample:
         patterns = [os.path.join(REPO_DIR, p) for p in SAMPLE_FILES]
         note = ("data: FineWeb's shards are not all in data/fineweb10B/; training on the embedded sample in "
                 "data/sample/ (CPython documentation text, see data/sample/MANIFEST.json)")
-        hints = ["", ""]
-    if not os.path.isdir(os.path.join(REPO_DIR, "data", "sample")):  # a copy of this file outside the repository
-        hints = [f" (the default data lies in data/ beside train_gpt.py, and {REPO_DIR} has no data/sample/: keep "
-                 f"a fork in the repository's root, beside data/, or set --{option})" if is_default else ""
-                 for option, is_default in zip(("train_files", "val_files"), defaults)]
+
+    def hint(option, is_default):
+        """What to do where the option's pattern matches no shard."""
+        if not os.path.isdir(os.path.join(REPO_DIR, "data", "sample")):  # a copy of this file outside the repository
+            return (f" (the default data lies in data/ beside train_gpt.py, and {REPO_DIR} has no data/sample/: keep "
+                    f"a fork in the repository's root, beside data/, or set --{option})" if is_default else "")
+        if on_sample:
+            return ""
+        if not is_default:
+            return f" (--{option}, or its value in the --resume checkpoint)" if args.resume else ""
+        return (f" (FineWeb, the default of --{option}: run `python data/cached_fineweb10B.py`, or set --{option}"
+                + ("; the embedded sample stands in only where neither option is set)" if args.preset == "cpu" else ")"))
+    hints = [hint(option, is_default) for option, is_default in zip(("train_files", "val_files"), defaults)]
     # A pattern the user gave is looked at first: a typo there is likelier than a missing download.
     order = sorted(range(2), key=lambda i: defaults[i])
     found = {i: find_shards(patterns[i], ("training", "validation")[i], hints[i]) for i in order}
@@ -2955,13 +2959,18 @@ def resumed_fields(checkpoint, path, set_fields):
     return {name: value for name, value in config.items() if name in FIELD_NAMES - kept}
 
 
+def field_named_by(error):
+    """The field a ConfigError is about (its message starts --field), or None."""
+    named = re.match(r"--(\w+)", str(error))
+    return named.group(1) if named else None
+
+
 def from_the_checkpoint(error, inherited):
     """A ConfigError about a value the --resume checkpoint gave (its first --field is in inherited),
     saying so: the user did not write it."""
-    named = re.match(r"--(\w+)", str(error))
-    if not named or named.group(1) not in inherited:
+    name = field_named_by(error)
+    if name not in inherited:
         return error
-    name = named.group(1)
     remedy = f"set --{name} to change it" if name in RESUME_FREE_FIELDS else "which the resumed run must keep"
     return type(error)(f"{error} (the value of the --resume checkpoint, {remedy})")
 
