@@ -53,12 +53,14 @@ else
             --rdzv_endpoint="$MASTER_ADDR:${MASTER_PORT:-29500}"
             --rdzv_conf="is_host=$is_host,join_timeout=$wait_s,read_timeout=$wait_s")
     meeting="not all NNODES=$nnodes machines met at $MASTER_ADDR:${MASTER_PORT:-29500} within DIST_TIMEOUT_S=$wait_s s"
+    left="the machines met, then the rendezvous at $MASTER_ADDR:${MASTER_PORT:-29500} closed: its machine (NODE_RANK=0) stopped, and its output says why"
 fi
 if [ "$nproc" -gt 1 ]; then  # torchrun's default for several processes, without its five-line notice
     export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 fi
 # torchrun, except that its own log lines are kept off the console (each process says what went
-# wrong in one line of its own), a failed rendezvous ends in one line instead of a traceback, a
+# wrong in one line of its own), a failed rendezvous ends in one line instead of a traceback (one
+# that says whether the machines had met: a host that stops later closes it under the others), a
 # failed process in its exit status, and Ctrl-C or a SIGTERM in 128 + the signal's number after
 # the processes have stopped, as a single process would.
 exec "$PYTHON" -c '
@@ -69,6 +71,7 @@ import sys
 signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C while torch loads: no traceback (torchrun sets its own)
 user_level = os.environ.get("TORCH_CPP_LOG_LEVEL")
 os.environ["TORCH_CPP_LOG_LEVEL"] = user_level or "FATAL"  # this process: no C++ trace of a store timeout
+from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousError
@@ -78,13 +81,19 @@ if user_level is None:
 if not os.environ.get("LOGLEVEL"):  # torchrun honours LOGLEVEL=INFO etc. for debugging
     for handler in logging.getLogger("torch.distributed").handlers + logging.getLogger("torch").handlers:
         handler.addFilter(lambda record: not record.name.startswith("torch.distributed.elastic"))
-meeting = sys.argv.pop(1)
+meeting, left = sys.argv.pop(1), sys.argv.pop(1)
+met = []  # the rendezvous completed: the processes of this machine were set up
+initialize = SimpleElasticAgent._initialize_workers
+def initialize_and_note(*args, **kwargs):
+    initialize(*args, **kwargs)
+    met.append(True)
+SimpleElasticAgent._initialize_workers = initialize_and_note
 try:
     main()
 except RendezvousError as e:
     reason = ": ".join([type(e).__name__] + str(e.__cause__ or e).strip().splitlines()[:1])
-    sys.exit(f"run.sh: {meeting} ({reason}); start run.sh on every machine "
-             "with the same NNODES, MASTER_ADDR and MASTER_PORT")
+    sys.exit(f"run.sh: {left} ({reason})" if met and left else f"run.sh: {meeting} ({reason}); start run.sh "
+             "on every machine with the same NNODES, MASTER_ADDR and MASTER_PORT")
 except ChildFailedError as e:
     rank, failure = e.get_first_failure()
     if failure.exitcode < 0:  # killed by a signal: the process could not say why itself
@@ -94,4 +103,4 @@ except ChildFailedError as e:
     sys.exit(failure.exitcode % 256)
 except SignalException as e:
     sys.exit(128 + signal.Signals(e.sigval).value)
-' "$meeting" "${launch[@]}" "$trainer" "$@"
+' "$meeting" "${left:-}" "${launch[@]}" "$trainer" "$@"

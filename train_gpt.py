@@ -640,12 +640,25 @@ def init_process_group(args, ranks, hw):
         return
     timeout = datetime.timedelta(seconds=args.dist_timeout_s)
     kwargs = dict(device_id=hw.device) if hw.device.type == "cuda" else {}
+    # The wait for the others is one C++ call, in which Python's signal handlers cannot run until it
+    # ends (after --dist_timeout_s): a signal then takes its default action at once. Nothing is
+    # written yet, and torchrun would otherwise kill the process 30 s after its SIGTERM.
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    handlers = {signum: signal.signal(signum, signal.SIG_DFL) for signum in (signal.SIGINT, signal.SIGTERM)
+                if in_main_thread}
+    started = time.monotonic()
     try:
         dist.init_process_group(hw.dist_backend, rank=ranks.rank, world_size=ranks.world_size, timeout=timeout,
                                 **kwargs)
     except (RuntimeError, ValueError) as e:  # DistError is a RuntimeError; ValueError: a bad MASTER_ADDR/PORT
-        raise RankMismatch(f"rank {ranks.rank}: could not join {ranks.world_size} ranks within "
-                           f"--dist_timeout_s={args.dist_timeout_s} ({first_line(e)})") from None
+        waited = time.monotonic() - started  # early: the store closed under this rank (its host stopped)
+        when = (f" within --dist_timeout_s={args.dist_timeout_s}" if waited >= args.dist_timeout_s else
+                f": failed after {waited:.1f} s, before --dist_timeout_s={args.dist_timeout_s} ran out")
+        raise RankMismatch(f"rank {ranks.rank}: could not join {ranks.world_size} ranks{when} "
+                           f"({first_line(e)})") from None
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
     check_ranks_agree(args, ranks, hw)
 
 

@@ -461,6 +461,56 @@ def test_missing_rank_times_out_with_a_message(tmp_path, make_shards):
     assert elapsed < 60
 
 
+def test_store_that_closes_is_not_called_a_timeout(monkeypatch):
+    """Under torchrun the store lives in the launcher of the first machine: when that machine
+    stops, the others fail at once, and their line must not send the user to --dist_timeout_s."""
+    import subprocess
+    import sys
+    port = free_port()
+    host = subprocess.Popen([sys.executable, "-c", "import time, torch.distributed as dist\n"
+                             f"store = dist.TCPStore('127.0.0.1', {port}, is_master=True, wait_for_workers=False)\n"
+                             "print('up', flush=True)\ntime.sleep(2)"], stdout=subprocess.PIPE, text=True)
+    assert host.stdout.readline().strip() == "up"
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    args = train_gpt.parse_config(["--micro_batches=2", "--dist_timeout_s=60"], {}, world_size=2, cuda_available=False)
+    started = time.time()
+    with pytest.raises(train_gpt.RankMismatch) as failure:
+        train_gpt.init_process_group(args, train_gpt.Ranks(1, 1, 2, 2), train_gpt.Hardware.detect(args))
+    host.wait(timeout=60)
+    assert time.time() - started < 30 and not dist.is_initialized()
+    message = str(failure.value)
+    assert message.startswith("rank 1: could not join 2 ranks: failed after ") and "\n" not in message
+    assert "before --dist_timeout_s=60 ran out (" in message and "within" not in message
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_signal_while_waiting_for_the_other_ranks_acts_at_once(tmp_path, signum):
+    """Joining is one C++ wait, in which Python's handlers cannot run: a signal used to act only
+    once --dist_timeout_s had run out (and torchrun kills 30 s after its SIGTERM)."""
+    import subprocess
+    import sys
+    from conftest import ROOT
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, world_size=2, is_master=True, wait_for_workers=False)
+    keys = store.num_keys()
+    env = dict(os.environ, OMP_NUM_THREADS="1", **rank_env(1, 2, port))
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train_gpt.py"), "--micro_batches=2", "--dist_timeout_s=300",
+                             f"--log_dir={tmp_path / 'logs'}"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while store.num_keys() == keys and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.1)  # until rank 1 has reached the store: it is waiting for rank 0
+    assert proc.poll() is None and store.num_keys() > keys
+    time.sleep(0.5)
+    signalled = time.time()
+    proc.send_signal(signum)
+    out, err = proc.communicate(timeout=120)
+    assert time.time() - signalled < 15
+    assert proc.returncode == -signum, err[-2000:]  # as any command the signal ends
+    assert out == "" and not (tmp_path / "logs").exists()
+
+
 def test_torchrun_launch_on_cpu(tmp_path, make_shards):
     """The real launcher: torchrun with 2 processes trains with gloo and rank 0 writes the log."""
     import subprocess

@@ -173,3 +173,26 @@ def test_machine_that_never_joins_ends_in_one_line(tmp_path, make_shards, node_r
     assert len(err.strip().splitlines()) == 1, err
     assert time.time() - started < 60
     assert not (tmp_path / "logs").exists()
+
+
+def test_host_machine_that_stops_is_named_on_the_others(tmp_path, make_shards):
+    """The machines meet, then the host's process stops at its options: the other machine's last
+    line says so (run.sh's when its launcher finds the rendezvous gone, the trainer's when its
+    process does), not that the machines never met or that a timeout ran out."""
+    train_glob, val_glob, _ = make_shards()
+    argv = tiny_argv(train_files=train_glob, val_files=val_glob, log_dir=tmp_path / "logs", micro_batches=2)
+    port = str(free_port())
+    machine = dict(NNODES="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port, DIST_TIMEOUT_S="60")
+    other = start_run_sh(argv, tmp_path, NODE_RANK="1", **machine)
+    host = start_run_sh(argv + ["--seed=x"], tmp_path, NODE_RANK="0", **machine)
+    started = time.time()
+    _, host_err = host.communicate(timeout=120)
+    _, other_err = other.communicate(timeout=120)
+    assert host.returncode == 2 and host_err.strip() == "train_gpt.py: error: --seed='x': expected int"
+    assert other.returncode == 1 and time.time() - started < 40
+    last = other_err.strip().splitlines()[-1]
+    assert (last.startswith(f"run.sh: the machines met, then the rendezvous at 127.0.0.1:{port} closed: its machine "
+                            "(NODE_RANK=0) stopped, and its output says why (")
+            or re.match(r"train_gpt.py: error: rank [01]: could not join 2 ranks: failed after \d+\.\d s, before "
+                        r"--dist_timeout_s=60 ran out \(", last)), other_err[-2000:]
+    assert "not all NNODES" not in other_err
