@@ -110,8 +110,9 @@ class Hyperparameters:
     window_growth_tokens: int = 1728    # long window: this x training progress, rounded up to whole blocks (>= 1)
     fp8_head: bool = True               # FP8 lm_head where the GPU supports it (off on CPU and pre-Ada GPUs)
     bf16_embeds: bool = True            # embeddings, value embeddings and their Adam moments in bf16
-    compile: bool = True                # torch.compile the model (--compile_scope: in how many graphs) and Adam
+    compile: bool = True                # torch.compile the model (--compile_scope: in how many graphs)
     compile_scope: str = "model"        # model: one graph, as the record; blocks: each block and the head alone
+    compile_adam: bool = False          # Adam's update compiled: bf16 rounded only where stored (the record's runs eagerly)
     # optimization
     num_iterations: int = 1695          # training steps
     cooldown_frac: float = 0.45         # lr constant, then linear decay over this final fraction
@@ -1557,10 +1558,12 @@ class ShardedMuonAdam:
             unit.work = self.comm.all_reduce_mean(unit.flat)
 
     def compile_adam(self, backend="inductor"):
-        """Adam's update compiled, as the record compiles its Adam step: one fused pass per tensor,
-        bf16 moments and weights rounded only where they are stored. One graph per kind of tensor
-        (shape, dtype, parameter or not), shared by every optimizer of the process: past dynamo's
-        default limit of 8, fullgraph=True would fail rather than run eagerly."""
+        """Adam's update compiled (--compile_adam): one fused pass per tensor, bf16 moments and
+        weights rounded only where they are stored. The record's Adam step carries @torch.compile,
+        but its async collectives break the graph inside a loop, so dynamo runs it eagerly: the
+        record rounds after every bf16 op, as adam_apply does uncompiled. One graph per kind of
+        tensor (shape, dtype, parameter or not), shared by every optimizer of the process: past
+        dynamo's default limit of 8, fullgraph=True would fail rather than run eagerly."""
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         self.adam_update = torch.compile(adam_apply, dynamic=False, fullgraph=True, backend=backend)
 
@@ -1704,7 +1707,8 @@ def normuon_normalize(update, second_moment, beta2, eps=1e-10):
 def adam_apply(param, grad, exp_avg, exp_avg_sq, lr, scale, beta1, beta2, eps):
     """Adam as the record computes it: eps is added to the uncorrected sqrt(v), and the bias
     corrections fold into the step size, lr x scale, where scale = lr_factor x sqrt(1 - beta2^t) /
-    (1 - beta1^t). Run eagerly, each bf16 op rounds; compiled (compile_adam), only the stores do."""
+    (1 - beta1^t). Run eagerly, as the record runs it, each bf16 op rounds; compiled (--compile_adam),
+    only the stores do."""
     exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
     param.sub_(exp_avg.div(exp_avg_sq.sqrt().add_(eps)).mul_(lr * scale))
@@ -2634,6 +2638,7 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
     optimizer = ShardedMuonAdam(specs, args, ranks, hw, collectives)
     if args.compile:
         model.compile_for_training(args.compile_scope)
+    if args.compile_adam:
         optimizer.compile_adam()
     log_header(log, args, ranks, hw, model, optimizer, data_note, (train_files, val_files))
     if shortfall:
@@ -2842,12 +2847,12 @@ CHECKPOINT_FORMAT = 1
 LAUNCH_FIELDS = {"device", "threads", "compile", "compile_scope", "overlap_comms", "ns_backend", "dist_timeout_s",
                  "check_every", "warmup_steps"}
 # Fields that choose where, how fast or with what logging training runs, not what it computes
-# (device, ns_backend, compile, compile_scope and CPU threads change rounding only): a run may
-# resume with other values of these. The data may move to another folder: the loader's shard is
-# checked by name and length (TrainBatches.check_position).
-RESUME_FREE_FIELDS = LAUNCH_FIELDS | {"run_name", "log_dir", "target_val_loss", "val_every", "train_files", "val_files",
-                                      "save_checkpoint", "checkpoint_every", "resume", "sample", "prompt",
-                                      "max_new_tokens", "temperature", "top_k"}
+# (device, ns_backend, compile, compile_scope, compile_adam and CPU threads change rounding only):
+# a run may resume with other values of these. The data may move to another folder: the loader's
+# shard is checked by name and length (TrainBatches.check_position).
+RESUME_FREE_FIELDS = LAUNCH_FIELDS | {"compile_adam", "run_name", "log_dir", "target_val_loss", "val_every",
+                                      "train_files", "val_files", "save_checkpoint", "checkpoint_every", "resume",
+                                      "sample", "prompt", "max_new_tokens", "temperature", "top_k"}
 # tiktoken's sha256 of GPT-2's BPE files (vocab.bpe, encoder.json).
 GPT2_BPE_SHA256 = ("1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
                    "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783")

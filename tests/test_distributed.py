@@ -49,15 +49,14 @@ def rank_env(rank, world_size, port):
 
 def train_worker(rank, world_size, port, argv, out_path, overlap, compiled_adam=False):
     """One rank: train, check after every step that all ranks hold identical parameters, save.
-    compiled_adam: --compile true with the model left eager and Adam's update captured by dynamo."""
+    compiled_adam: --compile_adam true, Adam's update captured by dynamo (aot_eager)."""
     os.environ.update(rank_env(rank, world_size, port))
     torch.set_num_threads(1)
-    if compiled_adam:  # a spawned process: nothing else sees these patches
+    if compiled_adam:  # a spawned process: nothing else sees this patch
         from torch._dynamo.utils import counters
         compile_adam = train_gpt.ShardedMuonAdam.compile_adam
         train_gpt.ShardedMuonAdam.compile_adam = lambda self: compile_adam(self, backend="aot_eager")
-        train_gpt.GPT.compile_for_training = lambda self, scope, backend=None: None
-        argv = argv + ["--compile=true"]
+        argv = argv + ["--compile_adam=true"]
     args = train_gpt.parse_config(argv + [f"--overlap_comms={overlap}"], {}, world_size, False)
     ranks = train_gpt.Ranks.from_env(os.environ)
     hw = train_gpt.Hardware.detect(args)

@@ -1,13 +1,19 @@
 """Optimizer formulas on small tensors: Adam, the Muon update, NorMuon, cautious weight decay, the
 schedules; and a short training run with each orthogonalizer lowers the loss."""
 
+import ast
 import dataclasses
+import types
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import train_gpt
 from conftest import TINY, perturbed_tiny_model
+
+PEER = Path(__file__).resolve().parents[1].parent / "shared" / "peers" / "modded-nanogpt_9d9dc969_train_gpt.py"
 
 
 def test_adam_is_the_records_formula():
@@ -147,10 +153,66 @@ def test_adam_matrices_step_is_adam_at_the_matrix_lr():
         torch.testing.assert_close(s.param.detach().float(), expected, atol=tol * lr, rtol=tol, msg=s.name)
 
 
+@pytest.mark.skipif(not PEER.exists(), reason="../shared/peers is absent")
+def test_the_records_adam_runs_eagerly_as_the_preset_does():
+    """The record's DistAdam.step carries @torch.compile, but dynamo cannot trace its async
+    reduce-scatter, and a graph break inside a loop makes it run the whole step eagerly: every bf16
+    op rounds. So the preset leaves --compile_adam off. Run as the record wrote it (its decorator
+    included) on one rank of torch's fake process group (gloo's collectives give no futures; at
+    world size 1 the fake one copies), it updates a bf16 embedding (lr x 75) as our default does,
+    bit for bit, moments included; an fp32 matrix too, up to the step sizes' last bits."""
+    fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
+    from torch._dynamo.utils import counters
+    source = PEER.read_text()
+    node = next(n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == "DistAdam")
+    # torch 2.13 wraps the record's collectives in deprecation shims, which dynamo fails on; its own
+    # torch had them unwrapped, as the new names are
+    collectives = types.SimpleNamespace(**{**vars(dist), "reduce_scatter_tensor": train_gpt._reduce_scatter_single,
+                                           "all_gather_into_tensor": train_gpt._all_gather_single})
+    namespace = dict(torch=torch, dist=collectives, Tensor=torch.Tensor)
+    exec(compile(ast.get_source_segment(source, node), str(PEER), "exec"), namespace)
+    args = train_gpt.Hyperparameters(micro_batches=1)  # the speedrun's Adam; one micro-batch: no division
+    assert not args.compile_adam
+    hw = train_gpt.Hardware(torch.device("cpu"), torch.float32, "sdpa", False, "torch", "gloo")
+    torch.manual_seed(0)
+    ours = [torch.nn.Parameter(torch.randn(512, 128).bfloat16()), torch.nn.Parameter(torch.randn(512, 128) * 0.05)]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    theirs[0].lr_mul = 75.0  # embed.weight.lr_mul = 75.
+    specs = [train_gpt.ParamSpec("embed.weight", ours[0], "adam", "embed", args.embed_lr_mult),
+             train_gpt.ParamSpec("lm_head_w", ours[1], "adam", "head", args.head_lr_mult)]
+    optimizer = train_gpt.ShardedMuonAdam(specs, args, train_gpt.Ranks(), hw)
+    assert len(optimizer.adam_shards) == 2 and optimizer.adam_update is train_gpt.adam_apply
+    dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=0, world_size=1)
+    try:
+        torch._dynamo.reset()
+        counters.clear()
+        record = namespace["DistAdam"](theirs, lr=0.008, betas=(0.8, 0.95), eps=1e-10, weight_decay=0.0)
+        for step in range(10):
+            for p, q in zip(ours, theirs):
+                p.grad = (torch.randn(p.shape) * 10.0 ** -torch.randint(1, 5, (p.shape[0], 1))).to(p.dtype)
+                q.grad = p.grad.clone()
+            optimizer.step()
+            record.step()
+            for p, q, shard in zip(ours, theirs, optimizer.adam_shards):
+                state = record.state[q]
+                assert torch.equal(shard.exp_avg, state["exp_avg"]) and torch.equal(shard.exp_avg_sq, state["exp_avg_sq"])
+                if p.dtype == torch.bfloat16:
+                    assert torch.equal(p, q), step
+                else:  # the step sizes differ by up to 2.3e-7 (README: bias corrections in float64 here), so a
+                    # step moves an entry (by at most ~5 step sizes, Adam's bound) up to 1e-8 apart, plus one
+                    # fp32 unit of its value where the rounding of the sum flips: apart by 3e-8 per step at most
+                    torch.testing.assert_close(p, q, rtol=0, atol=3e-8 * (step + 1))
+        assert any("async_op=True" in reason for reason in counters["graph_break"])  # dynamo tried, and broke
+        assert counters["stats"]["unique_graphs"] == 0  # no graph came of it: the step ran eagerly
+    finally:
+        dist.destroy_process_group()
+        torch._dynamo.reset()
+
+
 def test_compiled_adam_rounds_bf16_only_where_it_stores():
-    """compile_adam() (--compile true, the speedrun's) compiles the update as the record compiles its
-    Adam step: a bf16 embedding's moments and weights are computed in fp32 and rounded once, where
-    stored (inductor, here on the CPU). Run eagerly, every bf16 op rounds."""
+    """compile_adam() (--compile_adam true) compiles the update: a bf16 embedding's moments and
+    weights are computed in fp32 and rounded once, where stored (inductor, here on the CPU). Run
+    eagerly, as the record runs it, every bf16 op rounds."""
     args, hw, model = perturbed_tiny_model()
     optimizer = train_gpt.ShardedMuonAdam(train_gpt.param_specs(model, args), args, train_gpt.Ranks(), hw)
     eager = optimizer.adam_update
