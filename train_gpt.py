@@ -159,7 +159,8 @@ class Hyperparameters:
     top_k: int = 50                     # sample among the k most likely tokens (0: among all)
 
 
-FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(Hyperparameters))
+FIELD_TYPES = {f.name: f.type for f in dataclasses.fields(Hyperparameters)}
+FIELD_NAMES = frozenset(FIELD_TYPES)
 
 # The cpu preset: a 4-block model at width 128 on short sequences; the 50304-token vocabulary stays
 # (the data is GPT-2 tokens), so the head dominates the cost. Trains in a few minutes on 2 cores.
@@ -270,11 +271,13 @@ def _parse_value(option, text, kind):
 
 
 def command_line_options(argv):
-    """{field: value text} of the options on the command line, and whether --help is among them."""
+    """{field: value text} of the options on the command line, and whether --help is among them.
+    A boolean field without a value (`--normuon`, or `--normuon --seed 1`) is switched on."""
     cli = {}
     help_requested = False
-    it = iter(argv)
-    for token in it:
+    tokens = list(argv)
+    while tokens:
+        token = tokens.pop(0)
         if token in ("-h", "--help"):
             help_requested = True
             continue
@@ -287,8 +290,11 @@ def command_line_options(argv):
             hint = f" (did you mean --{close[0]}?)" if close else ""
             raise ConfigError(f"unknown option --{name}{hint}")
         if not sep:
-            value = next(it, None)
-            if value is None or value.startswith("--"):  # `--flag --seed 1` would take --seed as the value
+            if tokens and not tokens[0].startswith("--"):  # `--x --seed 1` must not take --seed as x's value
+                value = tokens.pop(0)
+            elif FIELD_TYPES[name] is bool:
+                value = "true"
+            else:
                 raise ConfigError(f"--{name}: missing value (--{name} VALUE, or --{name}=VALUE for one "
                                   "that starts with --)")
         cli[name] = value

@@ -43,6 +43,12 @@ def test_booleans(value, expected):
     assert parse(["--compile", value]).compile is expected
 
 
+def test_a_boolean_alone_switches_it_on():
+    args = parse(["--normuon", "--seed", "1", "--cautious_wd"])
+    assert (args.normuon, args.seed, args.cautious_wd) == (True, 1, True)
+    assert parse(["--normuon", "false"]).normuon is False
+
+
 def test_a_bad_boolean_is_refused_naming_every_accepted_spelling():
     with pytest.raises(train_gpt.ConfigError) as error:
         parse(["--compile", "maybe"])
@@ -65,7 +71,7 @@ BAD = [
     (["--cooldown_frac", "1.5"], {}, 1, "--cooldown_frac"),
     (["--preset", "gpu"], {}, 1, "--preset"),
     (["--num_iterations"], {}, 1, "missing value"),
-    (["--normuon", "--seed", "1"], {}, 1, "--normuon: missing value"),  # not "unexpected argument '1'"
+    (["--seed", "--normuon"], {}, 1, "--seed: missing value"),  # not --seed=--normuon
     (["positional"], {}, 1, "unexpected argument"),
     (["--device", "cuda"], {}, 1, "no CUDA device"),
     (["--adam_beta1", "1"], {}, 1, "--adam_beta1=1.0: must lie in [0, 1)"),
