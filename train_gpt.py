@@ -2216,10 +2216,11 @@ def load_shard(path, max_tokens=None, pin_memory=False):
     return out
 
 
-def find_shards(pattern, what, hint=""):
+def find_shards(pattern, what, hint="", option=None):
+    """option: the field that gave the pattern, named in the error where the user set it."""
     files = sorted(glob.glob(pattern))
     if not files:
-        raise DataError(f"{pattern}: no {what} shards match{hint}")
+        raise DataError(f"{f'--{option}={pattern!r}' if option else pattern}: no {what} shards match{hint}")
     for f in files:
         read_shard_header(f)
     return files
@@ -2359,8 +2360,8 @@ def resolve_data_files(args):
     on_sample = trains_on_sample(args)
     if on_sample:
         patterns = [os.path.join(REPO_DIR, p) for p in SAMPLE_FILES]
-        note = ("data: FineWeb's shards are not all in data/fineweb10B/; training on the embedded sample in "
-                "data/sample/ (CPython documentation text, see data/sample/MANIFEST.json)")
+        note = (f"data: FineWeb's shards are not all in {os.path.join(REPO_DIR, 'data', 'fineweb10B')}; training "
+                "on the embedded sample in data/sample/ (CPython documentation text, see data/sample/MANIFEST.json)")
 
     def hint(option, is_default):
         """What to do where the option's pattern matches no shard."""
@@ -2370,13 +2371,19 @@ def resolve_data_files(args):
         if on_sample:
             return ""
         if not is_default:
-            return f" (--{option}, or its value in the --resume checkpoint)" if args.resume else ""
+            return " (as set here or by the --resume checkpoint)" if args.resume else ""
         return (f" (FineWeb, the default of --{option}: run `python data/cached_fineweb10B.py`, or set --{option}"
                 + ("; the embedded sample stands in only where neither option is set)" if args.preset == "cpu" else ")"))
     hints = [hint(option, is_default) for option, is_default in zip(("train_files", "val_files"), defaults)]
     # A pattern the user gave is looked at first: a typo there is likelier than a missing download.
     order = sorted(range(2), key=lambda i: defaults[i])
-    found = {i: find_shards(patterns[i], ("training", "validation")[i], hints[i]) for i in order}
+    options = ("train_files", "val_files")
+    found = {i: find_shards(patterns[i], ("training", "validation")[i], hints[i],
+                            None if defaults[i] or on_sample else options[i]) for i in order}
+    both = sorted(set(map(os.path.realpath, found[0])) & set(map(os.path.realpath, found[1])))
+    if both:  # validation would score text the model has trained on
+        raise DataError(f"{both[0]}: matched by both --train_files and --val_files; validation must not read "
+                        "training shards")
     return found[0], found[1], note
 
 

@@ -260,8 +260,8 @@ def test_a_value_from_the_checkpoint_that_fails_here_says_where_it_came_from(sin
     assert err.startswith(f"train_gpt.py: error: --log_dir='{tmp_path / 'file' / 'logs'}': cannot write")
     assert err.endswith(" (the value of the --resume checkpoint, set --log_dir to change it)\n")
     assert train_gpt.main([f"--resume={other}", f"--log_dir={tmp_path / 'logs'}"], {}) == 1
-    assert capsys.readouterr().err == (f"train_gpt.py: error: {tmp_path / 'gone_*.bin'}: no training shards match "
-                                       "(--train_files, or its value in the --resume checkpoint)\n")
+    assert capsys.readouterr().err == (f"train_gpt.py: error: --train_files='{tmp_path / 'gone_*.bin'}': no training "
+                                       "shards match (as set here or by the --resume checkpoint)\n")
     # a preset this file does not have (a fork's) is the checkpoint's, and named so
     checkpoint["config"]["preset"] = "laptop"
     torch.save(checkpoint, tmp_path / "fork.pt")

@@ -171,7 +171,8 @@ def test_missing_data_fails_before_any_log_is_written(tmp_path):
     proc = run_script(tmp_path, *tiny_argv(train_files=str(tmp_path / "none_*.bin"), log_dir=log_dir))
     assert proc.returncode == 1
     # a pattern the user gave: no advice to download FineWeb
-    assert proc.stderr.strip().splitlines()[-1] == f"train_gpt.py: error: {tmp_path}/none_*.bin: no training shards match"
+    assert proc.stderr.strip().splitlines()[-1] == (f"train_gpt.py: error: --train_files='{tmp_path}/none_*.bin': "
+                                                    "no training shards match")
     assert "logging to" not in proc.stdout  # it would name a file that never comes to exist
     assert not log_dir.exists() or not any(log_dir.rglob("*.txt"))
 
@@ -208,13 +209,25 @@ def test_cpu_preset_falls_back_to_the_sample_only_without_fineweb(tmp_path, make
         train_gpt.resolve_data_files(train_only)
 
 
+def test_training_on_a_validation_shard_is_refused(make_shards):
+    """A glob that takes in the validation shard too (`data/sample/*.bin`) would make the
+    validation loss score text the model trained on."""
+    train_glob, val_glob, _ = make_shards()
+    everything = train_glob.replace("_train_*", "_*")
+    args = train_gpt.parse_config(["--preset", "cpu", "--train_files", everything, "--val_files", val_glob], {}, 1, False)
+    with pytest.raises(train_gpt.DataError) as error:
+        train_gpt.resolve_data_files(args)
+    assert str(error.value) == (f"{val_glob.replace('*', '000000')}: matched by both --train_files and --val_files; "
+                                "validation must not read training shards")
+
+
 def test_one_data_option_given_is_checked_first_and_the_other_default_explained(tmp_path, monkeypatch):
     """Without FineWeb, --val_files alone: a typo in it is named first; a right one leaves the
     training default, which the sample no longer stands in for, and the error says why."""
     monkeypatch.setattr(train_gpt, "REPO_DIR", str(tmp_path))  # a checkout without data/fineweb10B
     (tmp_path / "data" / "sample").mkdir(parents=True)
     typo = train_gpt.parse_config(["--preset", "cpu", "--val_files", str(tmp_path / "vall_*.bin")], {}, 1, False)
-    with pytest.raises(train_gpt.DataError, match=r"vall_\*\.bin: no validation shards match$"):
+    with pytest.raises(train_gpt.DataError, match=r"^--val_files='.*vall_\*\.bin': no validation shards match$"):
         train_gpt.resolve_data_files(typo)
     (tmp_path / "v_000000.bin").write_bytes((ROOT / "data" / "sample" / "sample_val_000000.bin").read_bytes())
     right = train_gpt.parse_config(["--preset", "cpu", "--val_files", str(tmp_path / "v_*.bin")], {}, 1, False)
