@@ -2745,7 +2745,7 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
         log("Resetting Model")
 
     training_time_ms = 0.0
-    step = 0
+    step = saved_step = resumed_step = 0
     try:  # the loader's thread is closed however this ends (a KeyboardInterrupt too, where no
           # StopSignals watch: tests, bench scripts)
         try:  # from warmup on, where a fork's bug or the compiler first fails, a failure is one line and logged
@@ -2754,6 +2754,7 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
             resumed_loader = None
             if checkpoint is not None:
                 step, training_time_ms = restore_checkpoint(checkpoint, args.resume, model, optimizer, ranks, hw, log)
+                resumed_step = step
                 resumed_loader, result.resumed_val_losses = checkpoint["loader"], checkpoint["val_losses"]
                 checkpoint = None  # unmaps the file: its weights and optimizer state are copied in now
             synchronize(hw)
@@ -2802,6 +2803,7 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
                     training_time_ms += 1000 * (time.perf_counter() - t0)
                     result.checkpoint_error = save_checkpoint(checkpoint_path, step, training_time_ms, args, ranks,
                                                               model, optimizer, batches, result, log)
+                    saved_step = step if result.checkpoint_error is None else saved_step
                     t0 = time.perf_counter()
                 if on_step is not None:
                     on_step(step, model, optimizer)
@@ -2826,6 +2828,10 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
         if result.failure and (result.exit_code != EXIT_ERROR or result.crashed):
             # main() prints a crash's line (on every rank) and a failed write's
             log(result.failure, console=result.exit_code != EXIT_ERROR)
+        if result.failure and (saved_step or resumed_step) and ranks.is_master:  # where the run can go on from
+            saved = (f"step {saved_step}, {checkpoint_path}" if saved_step else
+                     f"step {resumed_step}, {args.resume}, which this run resumed")
+            log(f"last checkpoint: {saved} (--resume {checkpoint_path if saved_step else args.resume} goes on from there)")
         if args.save_checkpoint and result.failure is None:  # the clock stopped at the final validation
             result.checkpoint_error = save_checkpoint(checkpoint_path, step, training_time_ms, args, ranks, model,
                                                       optimizer, batches, result, log)

@@ -106,6 +106,32 @@ def test_logs_name_the_checkpoint(single):
     assert not [f for f in os.listdir(os.path.dirname(path)) if f.endswith(".tmp")]
 
 
+def test_a_run_that_stops_names_the_checkpoint_to_resume(single, tmp_path):
+    """A run that fails after a periodic checkpoint (a crash here; an interruption alike) says which
+    step it can go on from, and how; a resumed run that fails before its own first one names the
+    checkpoint it resumed."""
+    def crash_at(at):
+        def on_step(step, model, optimizer):
+            if step == at:
+                raise RuntimeError("a fork's bug")
+        return on_step
+
+    for argv, at in ((single["argv"], N + 1), ([f"--resume={single['step3']}", "--warmup_steps=0"], N + 1)):
+        args = train_gpt.parse_config(argv + [f"--log_dir={tmp_path / str(at)}", f"--run_name=r{len(argv)}"], {}, 1,
+                                      False)
+        log = train_gpt.RunLog(args, train_gpt.Ranks(), echo=False)
+        result = train_gpt.train(args, train_gpt.Ranks(), train_gpt.Hardware.detect(args), log, on_step=crash_at(at))
+        assert result.failure == f"failed at step {at}/{2 * N}: RuntimeError: a fork's bug"
+        last = open(log.path).read().splitlines()[-3:]
+        assert last[0] == result.failure and last[2].startswith("peak memory")
+        if args.resume:  # checkpoint_every is N: the run's own first one would have come at 2N
+            assert last[1] == (f"last checkpoint: step {N}, {single['step3']}, which this run resumed "
+                               f"(--resume {single['step3']} goes on from there)")
+        else:
+            path = train_gpt.checkpoint_path_of(log)
+            assert last[1] == f"last checkpoint: step {N}, {path} (--resume {path} goes on from there)"
+
+
 # --- world size 2 (gloo), and moving between world sizes -----------------------------------------
 
 def world2_worker(rank, port, jobs, out_dir):
