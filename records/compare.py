@@ -676,9 +676,13 @@ def _fmt_mib(x: int | None) -> str:
     return "n/a" if x is None else str(x)
 
 
-def _verdict(p: float | None) -> str:
+TOO_FEW_RUNS = "a t-test needs at least 2 runs"
+
+
+def _verdict(p: float | None, runs: int = 2) -> str:
+    """runs: the fewest usable runs of the folders the test reads."""
     if p is None:
-        return "undetermined (p n/a)"
+        return f"undetermined (p n/a{': ' + TOO_FEW_RUNS if runs < 2 else ''})"
     return f"{'yes' if p < ALPHA else 'no'} (p = {_fmt_p(p)}, threshold {ALPHA})"
 
 
@@ -688,7 +692,7 @@ def _summary_rows(folder: RecordFolder, summary: Summary) -> list[tuple[str, str
         ("runs used", f"{s.n} of {len(folder.runs)}"),
         ("final val loss mean", _fmt_loss(s.loss_mean)),
         ("final val loss std", _fmt_std(s.loss_std)),
-        (f"p (mean loss < {s.target:g})", _fmt_p(s.loss_p)),
+        (f"p (mean loss < {s.target:g})", _fmt_p(s.loss_p) + (f" ({TOO_FEW_RUNS})" if s.n < 2 else "")),
         ("train time mean (s)", _fmt_s(s.time_mean_ms)),
         ("train time std (s)", _fmt_std(s.time_std_ms, 1000, 3)),
         ("train time median (s)", _fmt_s(s.time_median_ms)),
@@ -751,11 +755,12 @@ def render_statistics(
         rows = [(*row, other[1]) for row, other in zip(rows, _summary_rows(baseline, baseline_summary))]
     out += _md_table(header, rows) + [""]
 
-    out += ["## Record checks", "", f"- mean final val loss < {summary.target:g}: {_verdict(summary.loss_p)}"]
+    out += ["## Record checks", "", f"- mean final val loss < {summary.target:g}: {_verdict(summary.loss_p, summary.n)}"]
     if comparison is not None:
         caveat = "" if comparison.same_steps else (
             f"; but with other step counts ({comparison.steps_note}) that counts only if both reach the target")
-        out.append(f"- faster than the baseline: {_verdict(comparison.time_p_faster)}{caveat}")
+        fewest = min(summary.n, baseline_summary.n)
+        out.append(f"- faster than the baseline: {_verdict(comparison.time_p_faster, fewest)}{caveat}")
     else:
         out.append("- faster than the baseline: not checked (no baseline folder given)")
     out.append("")
@@ -853,7 +858,8 @@ def _terminal_table(runs: RecordFolder, summary: Summary, baseline, baseline_sum
             f" (Welch p two-sided {_fmt_p(c.time_p_two_sided)}, p faster {_fmt_p(c.time_p_faster)});"
             f" loss diff {c.loss_diff:+.5f} (p two-sided {_fmt_p(c.loss_p_two_sided)})"
         )
-        lines.append(f"faster than the baseline: {_verdict(c.time_p_faster)}")  # the ratio alone is no evidence
+        fewest = min(summary.n, baseline_summary.n)  # the ratio alone is no evidence
+        lines.append(f"faster than the baseline: {_verdict(c.time_p_faster, fewest)}")
     return "\n".join(lines)
 
 

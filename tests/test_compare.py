@@ -438,12 +438,13 @@ def test_main_single_run_reports_na(tmp_path, capsys):
     write_logs(folder, [make_log()])
     assert compare.main([str(folder)]) == 0
     md = (folder / "statistics.md").read_text()
-    assert "| final val loss std | n/a |" in md and "| p (mean loss < 3.28) | n/a |" in md
-    assert "undetermined" in md and "no baseline folder given" in md
+    assert "| final val loss std | n/a |" in md
+    assert "| p (mean loss < 3.28) | n/a (a t-test needs at least 2 runs) |" in md
+    assert "undetermined (p n/a: a t-test needs at least 2 runs)" in md and "no baseline folder given" in md
     # one run against one: a ratio, and no evidence either way
     write_logs(tmp_path / "other", [make_log(3.279, 100_000)])
     assert compare.main([str(folder), str(tmp_path / "other")]) == 0
-    assert "\nfaster than the baseline: undetermined (p n/a)\n" in capsys.readouterr().out
+    assert "\nfaster than the baseline: undetermined (p n/a: a t-test needs at least 2 runs)\n" in capsys.readouterr().out
 
 
 def test_main_warns_on_hardware_mismatch_with_baseline(good_runs, tmp_path):
