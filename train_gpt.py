@@ -436,14 +436,15 @@ def check_log_dir(args):
     while missing and not os.path.isdir(missing):
         created.append(missing)
         missing = os.path.dirname(missing)
+    doing = f"cannot create the folder {folder!r}"
     try:
         os.makedirs(folder, exist_ok=True)
+        doing = f"cannot write a file in {folder!r}"
         with tempfile.NamedTemporaryFile(dir=folder) as probe:  # written to: a full disk fails here
             probe.write(b"probe\n")
             probe.flush()
     except OSError as e:
-        raise ConfigError(f"--log_dir={args.log_dir!r}: cannot write a file in {folder!r} "
-                          f"({e.strerror or e})") from None
+        raise ConfigError(f"--log_dir={args.log_dir!r}: {doing} ({e.strerror or e})") from None
     finally:
         for path in created:
             try:
@@ -2724,7 +2725,7 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
     def warm_up():
         """Compile and tune on random tokens (each window starts with a BOS, like real data), then
         put model and optimizer back to their initial state."""
-        log("Compiling model and warming up kernels")
+        log("Compiling model and warming up kernels" if args.compile else "Warming up kernels")
         initial_params = {k: v.detach().clone() for k, v in model.state_dict().items()}
         rng = torch.Generator().manual_seed(args.seed + 1)  # not the model's stream
 

@@ -283,7 +283,7 @@ def test_a_value_from_the_checkpoint_that_fails_here_says_where_it_came_from(sin
     other = str(tmp_path / "other_machine.pt")
     assert train_gpt.main([f"--resume={other}"], {}) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"train_gpt.py: error: --log_dir='{tmp_path / 'file' / 'logs'}': cannot write")
+    assert err.startswith(f"train_gpt.py: error: --log_dir='{tmp_path / 'file' / 'logs'}': cannot create the folder")
     assert err.endswith(" (the value of the --resume checkpoint, set --log_dir to change it)\n")
     assert train_gpt.main([f"--resume={other}", f"--log_dir={tmp_path / 'logs'}"], {}) == 1
     assert capsys.readouterr().err == (f"train_gpt.py: error: --train_files='{tmp_path / 'gone_*.bin'}': no training "
