@@ -2175,7 +2175,7 @@ def read_shard_header(path):
         raise DataError(f"{path}: too short for a shard header ({len(raw)} bytes, need {SHARD_HEADER_BYTES})")
     magic, version, count = (int(x) for x in np.frombuffer(raw, dtype="<i4")[:3])
     if magic != SHARD_MAGIC:
-        raise DataError(f"{path}: bad magic {magic} (expected {SHARD_MAGIC})")
+        raise DataError(f"{path}: not a shard: bad magic {magic} (expected {SHARD_MAGIC})")
     if version != SHARD_VERSION:
         raise DataError(f"{path}: unsupported version {version} (expected {SHARD_VERSION})")
     if count < 0:
