@@ -53,7 +53,8 @@ else
             --rdzv_endpoint="$MASTER_ADDR:${MASTER_PORT:-29500}"
             --rdzv_conf="is_host=$is_host,join_timeout=$wait_s,read_timeout=$wait_s")
     meeting="not all NNODES=$nnodes machines met at $MASTER_ADDR:${MASTER_PORT:-29500} within DIST_TIMEOUT_S=$wait_s s"
-    left="the machines met, then the rendezvous at $MASTER_ADDR:${MASTER_PORT:-29500} closed: its machine (NODE_RANK=0) stopped, and its output says why"
+    left="the machines met, then the rendezvous at $MASTER_ADDR:${MASTER_PORT:-29500} closed: its machine"
+    left+=" (NODE_RANK=0) stopped, and its output says why"
 fi
 if [ "$nproc" -gt 1 ]; then  # torchrun's default for several processes, without its five-line notice
     export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}

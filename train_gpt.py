@@ -112,7 +112,7 @@ class Hyperparameters:
     bf16_embeds: bool = True            # embeddings, value embeddings and their Adam moments in bf16
     compile: bool = True                # torch.compile the model (--compile_scope: in how many graphs)
     compile_scope: str = "model"        # model: one graph, as the record; blocks: each block and the head alone
-    compile_adam: bool = False          # Adam's update compiled: bf16 rounded only where stored (the record's runs eagerly)
+    compile_adam: bool = False          # compile Adam's update: bf16 rounded where stored only (the record's is eager)
     # optimization
     num_iterations: int = 1695          # training steps
     cooldown_frac: float = 0.45         # lr constant, then linear decay over this final fraction
@@ -2830,9 +2830,9 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
             # main() prints a crash's line (on every rank) and a failed write's
             log(result.failure, console=result.exit_code != EXIT_ERROR)
         if result.failure and (saved_step or resumed_step) and ranks.is_master:  # where the run can go on from
-            saved = (f"step {saved_step}, {checkpoint_path}" if saved_step else
-                     f"step {resumed_step}, {args.resume}, which this run resumed")
-            log(f"last checkpoint: {saved} (--resume {checkpoint_path if saved_step else args.resume} goes on from there)")
+            path, which = (checkpoint_path, "") if saved_step else (args.resume, ", which this run resumed")
+            log(f"last checkpoint: step {saved_step or resumed_step}, {path}{which} (--resume {path} goes on "
+                "from there)")
         if args.save_checkpoint and result.failure is None:  # the clock stopped at the final validation
             result.checkpoint_error = save_checkpoint(checkpoint_path, step, training_time_ms, args, ranks, model,
                                                       optimizer, batches, result, log)

@@ -195,7 +195,8 @@ def test_the_records_adam_runs_eagerly_as_the_preset_does():
             record.step()
             for p, q, shard in zip(ours, theirs, optimizer.adam_shards):
                 state = record.state[q]
-                assert torch.equal(shard.exp_avg, state["exp_avg"]) and torch.equal(shard.exp_avg_sq, state["exp_avg_sq"])
+                assert torch.equal(shard.exp_avg, state["exp_avg"])
+                assert torch.equal(shard.exp_avg_sq, state["exp_avg_sq"])
                 if p.dtype == torch.bfloat16:
                     assert torch.equal(p, q), step
                 else:  # the step sizes differ by up to 2.3e-7 (README: bias corrections in float64 here), so a
