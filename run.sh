@@ -53,8 +53,10 @@ else
             --rdzv_endpoint="$MASTER_ADDR:${MASTER_PORT:-29500}"
             --rdzv_conf="is_host=$is_host,join_timeout=$wait_s,read_timeout=$wait_s")
     meeting="not all NNODES=$nnodes machines met at $MASTER_ADDR:${MASTER_PORT:-29500} within DIST_TIMEOUT_S=$wait_s s"
-    left="the machines met, then the rendezvous at $MASTER_ADDR:${MASTER_PORT:-29500} closed: its machine"
-    left+=" (NODE_RANK=0) stopped, and its output says why"
+    if [ "$is_host" -eq 0 ]; then  # the others' rendezvous lives on the host: it closes when the host stops
+        left="the machines met, then the rendezvous at $MASTER_ADDR:${MASTER_PORT:-29500} closed: its machine"
+        left+=" (NODE_RANK=0) stopped, and its output says why"
+    fi
 fi
 if [ "$nproc" -gt 1 ]; then  # torchrun's default for several processes, without its five-line notice
     export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
@@ -84,11 +86,12 @@ if not os.environ.get("LOGLEVEL"):  # torchrun honours LOGLEVEL=INFO etc. for de
         handler.addFilter(lambda record: not record.name.startswith("torch.distributed.elastic"))
 meeting, left = sys.argv.pop(1), sys.argv.pop(1)
 met = []  # the rendezvous completed: the processes of this machine were set up
-initialize = SimpleElasticAgent._initialize_workers
+initialize = getattr(SimpleElasticAgent, "_initialize_workers", None)  # (a torch without it: no note)
 def initialize_and_note(*args, **kwargs):
     initialize(*args, **kwargs)
     met.append(True)
-SimpleElasticAgent._initialize_workers = initialize_and_note
+if initialize is not None:
+    SimpleElasticAgent._initialize_workers = initialize_and_note
 try:
     main()
 except RendezvousError as e:

@@ -290,7 +290,7 @@ def command_line_options(argv):
             hint = f" (did you mean --{close[0]}?)" if close else ""
             raise ConfigError(f"unknown option --{name}{hint}")
         if not sep:
-            if tokens and not tokens[0].startswith("--"):  # `--x --seed 1` must not take --seed as x's value
+            if tokens and not tokens[0].startswith("--") and tokens[0] != "-h":  # `--x --seed 1`: not x=--seed
                 value = tokens.pop(0)
             elif FIELD_TYPES[name] is bool:
                 value = "true"
@@ -394,7 +394,8 @@ def field_descriptions():
 def config_help(args, cuda_available, from_environment=(), unreadable=None):
     """unreadable: why the --resume checkpoint could not be read (its values are then missing)."""
     descriptions = field_descriptions()
-    lines = ["usage: train_gpt.py [--field value ...]   (or FIELD=value in the environment)",
+    lines = ["usage: train_gpt.py [--field value ...]   (or FIELD=value in the environment; a true/false field "
+             "alone is true)",
              f"Values are those of the {args.preset} preset"
              + (f", then of the --resume checkpoint (but for this machine's {', '.join(sorted(LAUNCH_FIELDS))})"
                 if args.resume and unreadable is None else "") + f", with this environment and command line; "
@@ -2381,7 +2382,9 @@ def resolve_data_files(args):
     options = ("train_files", "val_files")
     found = {i: find_shards(patterns[i], ("training", "validation")[i], hints[i],
                             None if defaults[i] or on_sample else options[i]) for i in order}
-    both = sorted(set(map(os.path.realpath, found[0])) & set(map(os.path.realpath, found[1])))
+    identity = lambda path: (os.stat(path).st_dev, os.stat(path).st_ino)  # noqa: E731 (links, other spellings)
+    validation = set(map(identity, found[1]))
+    both = [path for path in found[0] if identity(path) in validation]
     if both:  # validation would score text the model has trained on
         raise DataError(f"{both[0]}: matched by both --train_files and --val_files; validation must not read "
                         "training shards")
@@ -2725,7 +2728,8 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
     def warm_up():
         """Compile and tune on random tokens (each window starts with a BOS, like real data), then
         put model and optimizer back to their initial state."""
-        log("Compiling model and warming up kernels" if args.compile else "Warming up kernels")
+        log("Compiling model and warming up kernels" if args.compile else
+            "Compiling Adam's update and warming up kernels" if args.compile_adam else "Warming up kernels")
         initial_params = {k: v.detach().clone() for k, v in model.state_dict().items()}
         rng = torch.Generator().manual_seed(args.seed + 1)  # not the model's stream
 
@@ -2746,7 +2750,8 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
         log("Resetting Model")
 
     training_time_ms = 0.0
-    step = saved_step = resumed_step = 0
+    step = saved_step = 0
+    resumed_step = checkpoint["step"] if checkpoint is not None else 0
     try:  # the loader's thread is closed however this ends (a KeyboardInterrupt too, where no
           # StopSignals watch: tests, bench scripts)
         try:  # from warmup on, where a fork's bug or the compiler first fails, a failure is one line and logged
@@ -2755,7 +2760,6 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
             resumed_loader = None
             if checkpoint is not None:
                 step, training_time_ms = restore_checkpoint(checkpoint, args.resume, model, optimizer, ranks, hw, log)
-                resumed_step = step
                 resumed_loader, result.resumed_val_losses = checkpoint["loader"], checkpoint["val_losses"]
                 checkpoint = None  # unmaps the file: its weights and optimizer state are copied in now
             synchronize(hw)
@@ -2818,6 +2822,7 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
                 result.failure = f"interrupted at step {step}/{N} ({stop.stopped_mid_step()}: stopped mid-step)"
             elif isinstance(e, (DataError, CheckpointError)):  # its line says all: which file, what is wrong
                 result.failure = f"{where}{e}"
+                resumed_step = 0 if isinstance(e, CheckpointError) else resumed_step  # it does not fit
             else:
                 if not getattr(log, "path", None) or getattr(log, "error", None):  # no log file to hold the traceback
                     traceback.print_exc()
@@ -2826,13 +2831,15 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
                 result.traceback_logged = True
             result.exit_code, result.crashed = 128 + stop.signum if stop.repeat is not None else EXIT_ERROR, True
         stop.phase = "end"
-        if result.failure and (result.exit_code != EXIT_ERROR or result.crashed):
-            # main() prints a crash's line (on every rank) and a failed write's
-            log(result.failure, console=result.exit_code != EXIT_ERROR)
-        if result.failure and (saved_step or resumed_step) and ranks.is_master:  # where the run can go on from
+        # Where the run can go on from (after a divergence, nowhere: its continuation would be exact);
+        # before the line that says why the run ended, which compare.py reads above `peak memory`.
+        if result.failure and result.exit_code != EXIT_DIVERGED and (saved_step or resumed_step) and ranks.is_master:
             path, which = (checkpoint_path, "") if saved_step else (args.resume, ", which this run resumed")
             log(f"last checkpoint: step {saved_step or resumed_step}, {path}{which} (--resume {path} goes on "
                 "from there)")
+        if result.failure and (result.exit_code != EXIT_ERROR or result.crashed):
+            # main() prints a crash's line (on every rank) and a failed write's
+            log(result.failure, console=result.exit_code != EXIT_ERROR)
         if args.save_checkpoint and result.failure is None:  # the clock stopped at the final validation
             result.checkpoint_error = save_checkpoint(checkpoint_path, step, training_time_ms, args, ranks, model,
                                                       optimizer, batches, result, log)
@@ -2868,7 +2875,8 @@ LAUNCH_FIELDS = {"device", "threads", "compile", "compile_scope", "overlap_comms
                  "check_every", "warmup_steps"}
 # Fields that choose where, how fast or with what logging training runs, not what it computes
 # (device, ns_backend, compile, compile_scope, compile_adam and CPU threads change rounding only):
-# a run may resume with other values of these. The data may move to another folder: the loader's
+# a run may resume with other values of these. compile_adam is no field of the machine: a resumed
+# run keeps the rounding it chose, unless told otherwise. The data may move to another folder: the loader's
 # shard is checked by name and length (TrainBatches.check_position).
 RESUME_FREE_FIELDS = LAUNCH_FIELDS | {"compile_adam", "run_name", "log_dir", "target_val_loss", "val_every",
                                       "train_files", "val_files", "save_checkpoint", "checkpoint_every", "resume",

@@ -164,8 +164,8 @@ def parse_args(argv):
         if bad or not opts.ns_methods:
             p.error(f"--ns-methods: unknown method {bad[0] if bad else '(none)'}; expected some of {','.join(known)}")
     try:  # a ';' starts a new set only before a flag: --ns_coeffs "a,b,c;a,b,c" keeps its own
-        opts.variants = [shlex.split(v) for v in re.split(r";\s*(?=--)|;\s*$", opts.variants) if v.strip()]
-        opts.main_flags = shlex.split(opts.main_flags)
+        opts.variants = [as_pairs(shlex.split(v)) for v in re.split(r";\s*(?=--)|;\s*$", opts.variants) if v.strip()]
+        opts.main_flags = as_pairs(shlex.split(opts.main_flags))
     except ValueError as e:  # shlex: an unclosed quote
         p.error(f"--variants/--main-flags: {e}")
     for option, flag_sets in (("--main-flags", [opts.main_flags]), ("--variants", opts.variants)):
@@ -196,6 +196,21 @@ def parse_args(argv):
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
         p.error(f"--out={opts.out}: {parent} is not a writable folder")
     return opts
+
+
+def as_pairs(flags):
+    """Trainer flags as '--name value' pairs, read as the trainer reads them: --name=value split, and
+    a switch without a value (--normuon, before another flag or at the end) made --normuon true."""
+    pairs = []
+    for i, token in enumerate(flags):
+        name, sep, value = token.partition("=")
+        if not token.startswith("--"):
+            pairs.append(token)
+        elif sep:
+            pairs += [name, value]
+        else:
+            pairs += [token] if i + 1 < len(flags) and not flags[i + 1].startswith("--") else [token, "true"]
+    return pairs
 
 
 def trainer_config_error(flags, cpu_smoke):

@@ -755,7 +755,8 @@ def render_statistics(
         rows = [(*row, other[1]) for row, other in zip(rows, _summary_rows(baseline, baseline_summary))]
     out += _md_table(header, rows) + [""]
 
-    out += ["## Record checks", "", f"- mean final val loss < {summary.target:g}: {_verdict(summary.loss_p, summary.n)}"]
+    target_check = f"- mean final val loss < {summary.target:g}: {_verdict(summary.loss_p, summary.n)}"
+    out += ["## Record checks", "", target_check]
     if comparison is not None:
         caveat = "" if comparison.same_steps else (
             f"; but with other step counts ({comparison.steps_note}) that counts only if both reach the target")
@@ -858,8 +859,8 @@ def _terminal_table(runs: RecordFolder, summary: Summary, baseline, baseline_sum
             f" (Welch p two-sided {_fmt_p(c.time_p_two_sided)}, p faster {_fmt_p(c.time_p_faster)});"
             f" loss diff {c.loss_diff:+.5f} (p two-sided {_fmt_p(c.loss_p_two_sided)})"
         )
-        fewest = min(summary.n, baseline_summary.n)  # the ratio alone is no evidence
-        lines.append(f"faster than the baseline: {_verdict(c.time_p_faster, fewest)}")
+        fewest = min(summary.n, baseline_summary.n)
+        lines.append(f"faster than the baseline: {_verdict(c.time_p_faster, fewest)}")  # the ratio is no evidence
     return "\n".join(lines)
 
 

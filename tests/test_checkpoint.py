@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import compare
 import train_gpt
 from conftest import ROOT, synthetic_documents, tiny_argv
 from shards import write_shard
@@ -108,28 +109,42 @@ def test_logs_name_the_checkpoint(single):
 
 def test_a_run_that_stops_names_the_checkpoint_to_resume(single, tmp_path):
     """A run that fails after a periodic checkpoint (a crash here; an interruption alike) says which
-    step it can go on from, and how; a resumed run that fails before its own first one names the
-    checkpoint it resumed."""
-    def crash_at(at):
+    step it can go on from, and how, just before the line that says why it ended (which compare.py
+    reads); a resumed run that fails before its own first one names the checkpoint it resumed. A
+    run that diverged names none: its continuation would diverge again."""
+    def crash_at(step_wanted):
         def on_step(step, model, optimizer):
-            if step == at:
+            if step == step_wanted:
                 raise RuntimeError("a fork's bug")
         return on_step
 
-    for argv, at in ((single["argv"], N + 1), ([f"--resume={single['step3']}", "--warmup_steps=0"], N + 1)):
-        args = train_gpt.parse_config(argv + [f"--log_dir={tmp_path / str(at)}", f"--run_name=r{len(argv)}"], {}, 1,
-                                      False)
+    def diverge_at(step_wanted):
+        def on_step(step, model, optimizer):
+            if step == step_wanted:
+                with torch.no_grad():
+                    model.lm_head_w.fill_(float("nan"))
+        return on_step
+
+    resumed = [f"--resume={single['step3']}", "--warmup_steps=0"]
+    for name, argv, on_step in (("crash", single["argv"], crash_at(N + 1)), ("resumed", resumed, crash_at(N + 1)),
+                                ("diverged", single["argv"], diverge_at(N + 1))):
+        args = train_gpt.parse_config(argv + [f"--log_dir={tmp_path / name}"], {}, 1, False)
         log = train_gpt.RunLog(args, train_gpt.Ranks(), echo=False)
-        result = train_gpt.train(args, train_gpt.Ranks(), train_gpt.Hardware.detect(args), log, on_step=crash_at(at))
-        assert result.failure == f"failed at step {at}/{2 * N}: RuntimeError: a fork's bug"
-        last = open(log.path).read().splitlines()[-3:]
-        assert last[0] == result.failure and last[2].startswith("peak memory")
-        if args.resume:  # checkpoint_every is N: the run's own first one would have come at 2N
-            assert last[1] == (f"last checkpoint: step {N}, {single['step3']}, which this run resumed "
+        result = train_gpt.train(args, train_gpt.Ranks(), train_gpt.Hardware.detect(args), log, on_step=on_step)
+        text = open(log.path).read()
+        last = text.splitlines()[-3:]
+        assert last[1] == result.failure and last[2].startswith("peak memory")
+        assert compare.parse_log_text(text).problems == [result.failure]  # compare.py's exclusion names it
+        if name == "diverged":
+            assert result.failure.startswith(f"diverged at step {N + 2}/{2 * N}") and "last checkpoint" not in last[0]
+            continue
+        assert result.failure == f"failed at step {N + 1}/{2 * N}: RuntimeError: a fork's bug"
+        if name == "resumed":  # checkpoint_every is N: the run's own first one would have come at 2N
+            assert last[0] == (f"last checkpoint: step {N}, {single['step3']}, which this run resumed "
                                f"(--resume {single['step3']} goes on from there)")
         else:
             path = train_gpt.checkpoint_path_of(log)
-            assert last[1] == f"last checkpoint: step {N}, {path} (--resume {path} goes on from there)"
+            assert last[0] == f"last checkpoint: step {N}, {path} (--resume {path} goes on from there)"
 
 
 # --- world size 2 (gloo), and moving between world sizes -----------------------------------------

@@ -466,9 +466,12 @@ def test_store_that_closes_is_not_called_a_timeout(monkeypatch):
     import subprocess
     import sys
     port = free_port()
+    # the host leaves once rank 1 has reached its store (its keys grow) and waits there
     host = subprocess.Popen([sys.executable, "-c", "import time, torch.distributed as dist\n"
                              f"store = dist.TCPStore('127.0.0.1', {port}, is_master=True, wait_for_workers=False)\n"
-                             "print('up', flush=True)\ntime.sleep(2)"], stdout=subprocess.PIPE, text=True)
+                             "keys = store.num_keys()\nprint('up', flush=True)\n"
+                             "while store.num_keys() == keys: time.sleep(0.05)\ntime.sleep(0.5)"],
+                            stdout=subprocess.PIPE, text=True)
     assert host.stdout.readline().strip() == "up"
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(port))

@@ -514,7 +514,8 @@ def test_log_dir_that_root_cannot_write_is_a_config_error(tmp_path, capsys):
         pytest.skip("needs Linux /proc")
     assert train_gpt.main(["--log_dir=/proc/forbidden"], {}) == train_gpt.EXIT_CONFIG
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("train_gpt.py: error: --log_dir='/proc/forbidden': cannot create the folder")
+    assert len(err) == 1
+    assert err[0].startswith("train_gpt.py: error: --log_dir='/proc/forbidden': cannot create the folder")
 
 
 def test_log_dir_on_a_full_disk_is_a_config_error(tmp_path, monkeypatch):

@@ -162,7 +162,8 @@ def corrupt(path, how):
     path.write_bytes(bytes(raw))
 
 
-@pytest.mark.parametrize("how, needle", [("magic", "not a shard: bad magic 12345"), ("version", "unsupported version 7"),
+@pytest.mark.parametrize("how, needle", [("magic", "not a shard: bad magic 12345"),
+                                         ("version", "unsupported version 7"),
                                          ("truncated", "but the file has"), ("short", "too short")])
 def test_bad_shards_fail_with_one_line_naming_the_file(tmp_path, how, needle):
     path = tmp_path / "bad.bin"

@@ -214,7 +214,8 @@ def test_training_on_a_validation_shard_is_refused(make_shards):
     validation loss score text the model trained on."""
     train_glob, val_glob, _ = make_shards()
     everything = train_glob.replace("_train_*", "_*")
-    args = train_gpt.parse_config(["--preset", "cpu", "--train_files", everything, "--val_files", val_glob], {}, 1, False)
+    argv = ["--preset", "cpu", "--train_files", everything, "--val_files", val_glob]
+    args = train_gpt.parse_config(argv, {}, 1, False)
     with pytest.raises(train_gpt.DataError) as error:
         train_gpt.resolve_data_files(args)
     assert str(error.value) == (f"{val_glob.replace('*', '000000')}: matched by both --train_files and --val_files; "
