@@ -200,17 +200,25 @@ def parse_args(argv):
 
 def as_pairs(flags):
     """Trainer flags as '--name value' pairs, read as the trainer reads them: --name=value split, and
-    a switch without a value (--normuon, before another flag or at the end) made --normuon true."""
+    a true/false field without a value (--normuon, before another flag or at the end) made true."""
+    switches = trainer_switches()
     pairs = []
     for i, token in enumerate(flags):
         name, sep, value = token.partition("=")
-        if not token.startswith("--"):
-            pairs.append(token)
-        elif sep:
+        bare = i + 1 == len(flags) or flags[i + 1].startswith("--")
+        if token.startswith("--") and sep:
             pairs += [name, value]
+        elif token.startswith("--") and bare and token[2:].replace("-", "_") in switches:
+            pairs += [token, "true"]
         else:
-            pairs += [token] if i + 1 < len(flags) and not flags[i + 1].startswith("--") else [token, "true"]
+            pairs.append(token)
     return pairs
+
+
+def trainer_switches():
+    """The trainer's true/false fields, read from its source (no import: torch is slow to load)."""
+    fields = open(TRAINER).read().partition("class Hyperparameters:")[2].partition("\n\n\n")[0]
+    return set(re.findall(r"^    (\w+): bool = ", fields, re.M))
 
 
 def trainer_config_error(flags, cpu_smoke):
