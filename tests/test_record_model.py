@@ -198,3 +198,29 @@ def test_record_loss_is_what_the_records_own_model_code_computes(heads, long_blo
         with torch.no_grad():
             got = model(tokens, targets, torch.tensor(long_blocks, dtype=torch.int32))
             torch.testing.assert_close(got, record_loss(w, tokens, targets, long_blocks, training), rtol=1e-5, atol=0)
+
+
+@pytest.mark.skipif(not PEER.exists(), reason="../shared/peers is absent")
+def test_schedules_are_the_records_at_every_step():
+    """The learning-rate factor, Muon's momentum and the long window, at every one of the 1695
+    steps (and the window at the final validation), as the record's own functions compute them:
+    get_lr and get_window_size_blocks run from its source (its tensor helper replaced by the block
+    count it holds), the momentum from its two lines in the training loop."""
+    import re
+    source = PEER.read_text()
+    nodes = [n for n in ast.parse(source).body
+             if isinstance(n, ast.FunctionDef) and n.name in ("get_lr", "get_window_size_blocks", "next_multiple_of_n")]
+    assert len(nodes) == 3
+    args = train_gpt.Hyperparameters()
+    namespace = dict(args=types.SimpleNamespace(num_iterations=1695, cooldown_frac=0.45))
+    exec(compile("\n\n".join(ast.get_source_segment(source, n) for n in nodes), str(PEER), "exec"), namespace)
+    namespace["get_window_size_blocks_helper"] = lambda window_size: window_size // 128
+    frac_line = re.search(r"^\s*frac = (min\(step / 300, 1\))", source, re.M).group(1)
+    momentum_line = re.search(r'^\s*group\["momentum"\] = (\(1 - frac\) \* 0\.85 \+ frac \* 0\.95)', source, re.M)
+    for step in range(args.num_iterations + 1):
+        assert train_gpt.long_window_blocks_at(step, args) == namespace["get_window_size_blocks"](step), step
+        if step == args.num_iterations:  # the record's get_lr asserts progress < 1: no step is taken there
+            break
+        assert train_gpt.lr_factor_at(step, args) == namespace["get_lr"](step), step
+        frac = eval(frac_line, {"step": step})
+        assert train_gpt.muon_momentum_at(step, args) == eval(momentum_line.group(1), {"frac": frac}), step
