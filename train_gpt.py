@@ -2376,10 +2376,10 @@ def resolve_data_files(args):
             return " (as set here or by the --resume checkpoint)" if args.resume else ""
         return (f" (FineWeb, the default of --{option}: run `python data/cached_fineweb10B.py`, or set --{option}"
                 + ("; the embedded sample stands in only where neither option is set)" if args.preset == "cpu" else ")"))
-    hints = [hint(option, is_default) for option, is_default in zip(("train_files", "val_files"), defaults)]
+    options = ("train_files", "val_files")
+    hints = [hint(option, is_default) for option, is_default in zip(options, defaults)]
     # A pattern the user gave is looked at first: a typo there is likelier than a missing download.
     order = sorted(range(2), key=lambda i: defaults[i])
-    options = ("train_files", "val_files")
     found = {i: find_shards(patterns[i], ("training", "validation")[i], hints[i],
                             None if defaults[i] or on_sample else options[i]) for i in order}
     identity = lambda path: (os.stat(path).st_dev, os.stat(path).st_ino)  # noqa: E731 (links, other spellings)
@@ -2876,8 +2876,8 @@ LAUNCH_FIELDS = {"device", "threads", "compile", "compile_scope", "overlap_comms
 # Fields that choose where, how fast or with what logging training runs, not what it computes
 # (device, ns_backend, compile, compile_scope, compile_adam and CPU threads change rounding only):
 # a run may resume with other values of these. compile_adam is no field of the machine: a resumed
-# run keeps the rounding it chose, unless told otherwise. The data may move to another folder: the loader's
-# shard is checked by name and length (TrainBatches.check_position).
+# run keeps the rounding it chose, unless told otherwise. The data may move to another folder: the
+# loader's shard is checked by name and length (TrainBatches.check_position).
 RESUME_FREE_FIELDS = LAUNCH_FIELDS | {"compile_adam", "run_name", "log_dir", "target_val_loss", "val_every",
                                       "train_files", "val_files", "save_checkpoint", "checkpoint_every", "resume",
                                       "sample", "prompt", "max_new_tokens", "temperature", "top_k"}
