@@ -110,7 +110,7 @@ class Hyperparameters:
     window_growth_tokens: int = 1728    # long window: this x training progress, rounded up to whole blocks (>= 1)
     fp8_head: bool = True               # FP8 lm_head where the GPU supports it (off on CPU and pre-Ada GPUs)
     bf16_embeds: bool = True            # embeddings, value embeddings and their Adam moments in bf16
-    compile: bool = True                # torch.compile the model (--compile_scope: in how many graphs)
+    compile: bool = True                # torch.compile the model (--compile_scope: in how many graphs), the orthogonalizer
     compile_scope: str = "model"        # model: one graph, as the record; blocks: each block and the head alone
     compile_adam: bool = False          # compile Adam's update: bf16 rounded where stored only (the record's is eager)
     # optimization
@@ -209,6 +209,9 @@ NS_BACKENDS = ("torch", "triton")
 CHOICES = dict(preset=tuple(PRESETS), ns_method=NS_METHODS, ns_backend=("auto",) + NS_BACKENDS,
                muon_update_scale=("record", "moonlight"), matrix_optimizer=("muon", "adam"), device=("auto", "cpu", "cuda"),
                compile_scope=("model", "blocks"))
+
+
+FLEX_TILE = 128  # on CUDA, --attn_block_size must be a multiple (check_config says why)
 
 
 def uses_cuda(args, cuda_available):
@@ -522,6 +525,11 @@ def check_config(args, world_size, cuda_available):
     for name, allowed in CHOICES.items():
         need(getattr(args, name) in allowed, f"--{name}={getattr(args, name)!r}: expected one of {', '.join(allowed)}")
     need(args.device != "cuda" or cuda_available, "--device=cuda: no CUDA device is available")
+    # FlexAttention's fused CUDA kernels tile the mask in blocks of up to 128 tokens, which must
+    # divide the mask's own (a block of 64 failed to compile on an H100). --sample runs SDPA.
+    need(args.attn_block_size % FLEX_TILE == 0 or not uses_cuda(args, cuda_available) or args.sample,
+         f"--attn_block_size={args.attn_block_size}: on CUDA, FlexAttention's kernels need a multiple of {FLEX_TILE} "
+         f"(set --attn_block_size {FLEX_TILE}, or --device cpu)")
     need(args.ns_backend != "triton" or triton is not None, "--ns_backend=triton: triton is not installed")
     need(args.ns_backend != "triton" or uses_cuda(args, cuda_available) or TRITON_INTERPRETING,
          "--ns_backend=triton: needs a CUDA device (or TRITON_INTERPRET=1 for tests)")
@@ -1351,6 +1359,7 @@ class ShardedMuonAdam:
         device = hw.device
         W = self.world_size
         self.adam_update = adam_apply  # compile_adam() puts the compiled function here
+        self.orthogonalize = orthogonalize  # and compile_orthogonalizer() here
         # lr_factor x Adam's bias corrections: a device scalar, so that the compiled update takes a
         # new value each step without recompiling or a host-to-device copy (fill_ is a launch).
         self.adam_scale = torch.ones((), device=device)
@@ -1575,6 +1584,18 @@ class ShardedMuonAdam:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         self.adam_update = torch.compile(adam_apply, dynamic=False, fullgraph=True, backend=backend)
 
+    def compile_orthogonalizer(self, backend="inductor"):
+        """--compile: the orthogonalizer compiled whole, one graph per stack shape, as the record
+        compiles its Newton-Schulz. Eager, the Python between the Triton launches outlasts the
+        small stacks of 8 GPUs on the GPU: on an H100 one rank's stacks took 3.3 ms per step
+        eagerly, 1.2 compiled (bench/gpu_proof.py, phase kernels); one GPU's stacks take the same
+        time either way, and Newton-Schulz gives the same bits (bench/ns_compile.py). Dynamo
+        cannot trace the Triton interpreter, so under TRITON_INTERPRET the kernels stay eager."""
+        if self.hw.ns_backend == "triton" and TRITON_INTERPRETING:
+            return
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        self.orthogonalize = torch.compile(orthogonalize, dynamic=False, fullgraph=True, backend=backend)
+
     # -- the update ---------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self):
@@ -1608,8 +1629,8 @@ class ShardedMuonAdam:
         mu = self.muon_momentum
         momentum.lerp_(grads, 1 - mu)
         update = grads.lerp_(momentum, mu)  # Nesterov
-        update = orthogonalize(update.to(self.hw.compute_dtype), args.ns_method, self.hw.ns_backend,
-                               self.ns_coeffs).float()
+        update = self.orthogonalize(update.to(self.hw.compute_dtype), args.ns_method, self.hw.ns_backend,
+                                    self.ns_coeffs).float()
         if group["second_moment"] is not None:
             update = normuon_normalize(update, group["second_moment"], args.normuon_beta2)
         params = group["param_buffer"]
@@ -2655,6 +2676,7 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
     optimizer = ShardedMuonAdam(specs, args, ranks, hw, collectives)
     if args.compile:
         model.compile_for_training(args.compile_scope)
+        optimizer.compile_orthogonalizer()
     if args.compile_adam:
         optimizer.compile_adam()
     log_header(log, args, ranks, hw, model, optimizer, data_note, (train_files, val_files))

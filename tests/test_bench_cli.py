@@ -1,5 +1,5 @@
-"""bench/ns_loss.py and bench/sample_speed.py: a bad option or file is one line naming it (exit 2),
-and Ctrl-C ends ns_loss.py in one line (exit 130), not a traceback."""
+"""bench/ns_loss.py, bench/sample_speed.py and bench/ns_compile.py: a bad option or file is one
+line naming it (exit 2), and Ctrl-C ends ns_loss.py in one line (exit 130), not a traceback."""
 
 import signal
 import subprocess
@@ -50,3 +50,16 @@ def test_ctrl_c_ends_ns_loss_in_one_line():
             proc.kill()
     assert proc.returncode == 130 and "Traceback" not in stderr, stderr
     assert stderr.strip().splitlines()[-1] == "ns_loss.py: interrupted"
+
+
+def test_ns_compile_names_a_bad_option_and_needs_a_gpu():
+    done = bench("ns_compile.py", "--world-sizes", "1,2")
+    assert (done.returncode, done.stderr) == (2, "ns_compile.py: error: --world-sizes='1,2': expected 1, 8 or 1,8\n")
+    done = bench("ns_compile.py", "--methods", "aol,svd")
+    assert (done.returncode, done.stderr) == (
+        2, "ns_compile.py: error: --methods='aol,svd': 'svd' is none of newton_schulz, polar_express, aol\n")
+    import torch
+    if not torch.cuda.is_available():
+        done = bench("ns_compile.py")
+        assert (done.returncode, done.stdout) == (2, "")
+        assert done.stderr.startswith("ns_compile.py: error: needs a CUDA GPU")

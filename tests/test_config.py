@@ -98,6 +98,20 @@ def test_bad_values_name_the_field(argv, environ, world_size, needle):
     assert needle in message and "\n" not in message
 
 
+def test_flex_attention_block_size_is_checked_where_cuda_trains():
+    """The cpu preset's 64-token mask blocks failed to compile in FlexAttention's CUDA kernels on
+    an H100 (its tiles are up to 128 tokens), after start-up; now refused before anything starts.
+    On CPU (SDPA) and for --sample (SDPA everywhere) any block size is fine."""
+    with pytest.raises(train_gpt.ConfigError) as err:
+        parse(["--preset", "cpu"], cuda=True)
+    assert str(err.value) == ("--attn_block_size=64: on CUDA, FlexAttention's kernels need a multiple of 128 "
+                              "(set --attn_block_size 128, or --device cpu)")
+    assert parse(["--preset", "cpu", "--attn_block_size", "128"], cuda=True).attn_block_size == 128
+    assert parse(["--preset", "cpu", "--device", "cpu"], cuda=True).attn_block_size == 64
+    assert parse(["--preset", "cpu", "--sample", "run.pt"], cuda=True).sample == "run.pt"
+    assert parse(["--preset", "speedrun", "--attn_block_size", "256"], cuda=True).attn_block_size == 256
+
+
 def test_main_rejects_before_touching_anything(tmp_path, capsys):
     log_dir = tmp_path / "logs"
     environ = {"WORLD_SIZE": "3", "RANK": "0", "PRESET": "speedrun", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
@@ -134,7 +148,7 @@ def test_help_shows_the_active_values_descriptions_and_choices():
     # descriptions are the dataclass comments, choices where the set is fixed
     assert fields["--num_layers=4"].endswith("int    transformer blocks")
     assert fields["--ns_method=newton_schulz"].endswith("[newton_schulz|polar_express|aol]")
-    compile_help = "torch.compile the model (--compile_scope: in how many graphs) [true|false]"
+    compile_help = "torch.compile the model (--compile_scope: in how many graphs), the orthogonalizer [true|false]"
     assert fields["--compile=False"].endswith(compile_help)
     assert fields["--compile_scope=model"].endswith("alone [model|blocks]")
     assert fields["--preset=cpu"].endswith("[speedrun|cpu]")

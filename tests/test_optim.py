@@ -265,6 +265,44 @@ def test_compiled_adam_compiles_once_per_kind_of_tensor():
     assert graphs == [3] * 4
 
 
+def test_compiled_orthogonalizer_is_one_graph_per_stack_and_the_eager_update(monkeypatch):
+    """--compile compiles the orthogonalizer whole (compile_orthogonalizer): one graph per stack
+    shape (the tiny model's qkvo, MLP and gate stacks), none new as momentum and lr change; the
+    same parameters as the eager optimizer. Under the Triton interpreter, which dynamo cannot
+    trace, the kernels stay eager."""
+    from torch._dynamo.utils import counters
+    args, hw, model = perturbed_tiny_model()
+    eager_model = perturbed_tiny_model()[2]
+    optimizers = [train_gpt.ShardedMuonAdam(train_gpt.param_specs(m, args), args, train_gpt.Ranks(), hw)
+                  for m in (model, eager_model)]
+    assert len(optimizers[0].muon_groups) == 3
+    torch._dynamo.reset()
+    counters.clear()
+    graphs = []
+    try:
+        optimizers[0].compile_orthogonalizer(backend="eager")  # dynamo's capture; inductor's: a GPU's
+        assert optimizers[0].orthogonalize is not train_gpt.orthogonalize
+        for step in range(4):
+            gradients = [torch.randn_like(p) for p in model.parameters()]
+            for m, optimizer in zip((model, eager_model), optimizers):
+                optimizer.lr_factor = 1 - step / 4
+                optimizer.muon_momentum = 0.85 + 0.02 * step
+                for p, g in zip(m.parameters(), gradients):
+                    p.grad = g.clone()
+                optimizer.step()
+            graphs.append(counters["stats"]["unique_graphs"])
+    finally:
+        torch._dynamo.reset()
+    assert graphs == [3] * 4
+    for (name, p), q in zip(model.named_parameters(), eager_model.parameters()):
+        assert torch.equal(p, q), name
+    monkeypatch.setattr(train_gpt, "TRITON_INTERPRETING", True)
+    interpreted = train_gpt.ShardedMuonAdam(train_gpt.param_specs(model, args), args, train_gpt.Ranks(),
+                                            dataclasses.replace(hw, ns_backend="triton"))
+    interpreted.compile_orthogonalizer()
+    assert interpreted.orthogonalize is train_gpt.orthogonalize
+
+
 @pytest.mark.parametrize("method", train_gpt.NS_METHODS)
 def test_each_orthogonalizer_trains(make_shards, method):
     train_glob, val_glob, _ = make_shards()

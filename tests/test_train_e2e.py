@@ -110,14 +110,16 @@ def test_training_lowers_the_loss_and_warmup_changes_nothing(make_shards):
 def test_compiled_training_gives_the_eager_run(make_shards, monkeypatch, scope):
     """train() with --compile true: warmup (which compiles the training and validation graphs),
     its reset, the optimizer's backward hooks and validation all run through the compiled model,
-    and give the eager run's losses; Adam's update is compiled only where --compile_adam says so
-    (here with blocks), eager as the record's otherwise. The model is captured with aot_eager
-    (inductor's CPU code generation would take minutes; its numerics are checked on a GPU,
-    bench/gpu_proof.py); Adam's update is inductor's."""
+    and give the eager run's losses; every Muon update goes through the compiled orthogonalizer;
+    Adam's update is compiled only where --compile_adam says so (here with blocks), eager as the
+    record's otherwise. The model and the orthogonalizer are captured with aot_eager (inductor's CPU
+    code generation would take minutes; its numerics are checked on a GPU, bench/gpu_proof.py and
+    bench/ns_compile.py); Adam's update is inductor's."""
     import torch._dynamo
     compile_for_training = train_gpt.GPT.compile_for_training
     compile_adam = train_gpt.ShardedMuonAdam.compile_adam
-    scopes = []
+    compile_orthogonalizer = train_gpt.ShardedMuonAdam.compile_orthogonalizer
+    scopes, orthogonalized = [], []
 
     def capture_only(model, scope, backend="inductor"):
         scopes.append(scope)
@@ -131,7 +133,16 @@ def test_compiled_training_gives_the_eager_run(make_shards, monkeypatch, scope):
             scopes.append("adam")  # the compiled update is the one train() calls
             return compiled(*args)
         optimizer.adam_update = counted
+    def orthogonalizer_captured(optimizer):
+        compile_orthogonalizer(optimizer, backend="aot_eager")
+        compiled = optimizer.orthogonalize
+
+        def counted(*args):
+            orthogonalized.append(compiled)
+            return compiled(*args)
+        optimizer.orthogonalize = counted
     monkeypatch.setattr(train_gpt.GPT, "compile_for_training", capture_only)
+    monkeypatch.setattr(train_gpt.ShardedMuonAdam, "compile_orthogonalizer", orthogonalizer_captured)
     monkeypatch.setattr(train_gpt.ShardedMuonAdam, "compile_adam", adam_compiled)
     data = make_shards()
     # fp32 embeddings: compiled and eager Adam then differ at fp32 rounding only (with bf16 ones,
@@ -149,6 +160,9 @@ def test_compiled_training_gives_the_eager_run(make_shards, monkeypatch, scope):
         assert adam_calls == ["adam"] * len(adam_calls) and len(adam_calls) > 10
     else:
         assert adam_calls == []  # the preset's Adam runs eagerly, as the record's
+    # (1 warmup + 4 steps) x 3 Muon groups (qkvo, MLP and gate matrices), all through the compiled
+    # function: torch.compile's wrapper, not the eager orthogonalize
+    assert len(orthogonalized) == 15 and orthogonalized[0] is not train_gpt.orthogonalize
     assert compiled.train_losses == pytest.approx(eager.train_losses, rel=1e-5)
     assert [v for _, v in compiled.val_losses] == pytest.approx([v for _, v in eager.val_losses], rel=1e-5)
 
