@@ -483,6 +483,8 @@ def check_config(args, world_size, cuda_available):
         value = getattr(args, name)
         need(0.0 <= value < 1.0, f"--{name}={value}: must lie in [0, 1)")
 
+    need(0 <= args.seed < 2 ** 63, f"--seed={args.seed}: must lie in [0, 2^63) (torch's generators take 64 bits; "
+         "warmup draws from seed + 1)")
     need(all(c.isalnum() or c in "._-" for c in args.run_name) and args.run_name not in ("", ".", ".."),
          f"--run_name={args.run_name!r}: use letters, digits, '.', '_' and '-' only")
     fitting = -(-args.micro_batches // world_size) * world_size

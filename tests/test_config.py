@@ -47,7 +47,7 @@ def test_a_boolean_alone_switches_it_on():
     args = parse(["--normuon", "--seed", "1", "--cautious_wd"])
     assert (args.normuon, args.seed, args.cautious_wd) == (True, 1, True)
     assert parse(["--normuon", "false"]).normuon is False
-    assert parse(["--seed", "-1", "--ns_coeffs", "-1,2,3"]).seed == -1  # a value may start with one dash
+    assert parse(["--run_name", "-dev", "--ns_coeffs", "-1,2,3"]).run_name == "-dev"  # a value may start with one dash
     with pytest.raises(train_gpt.HelpRequested):
         parse(["--normuon", "-h"])  # help, not normuon='-h'
 
@@ -87,6 +87,8 @@ BAD = [
     (["--ns_coeffs", "3,-4.7"], {}, 1, "--ns_coeffs='3,-4.7': expected finite a,b,c triples"),
     (["--ns_coeffs", "3,-4,2;x,1,1"], {}, 1, "--ns_coeffs"),
     (["--ns_coeffs", "3,-4,inf"], {}, 1, "--ns_coeffs"),
+    (["--seed", "-1"], {}, 1, "--seed=-1: must lie in [0, 2^63)"),
+    ([], {"SEED": str(2 ** 64 - 1)}, 1, f"--seed={2 ** 64 - 1}: must lie in [0, 2^63)"),  # seed + 1 overflowed in warmup
 ]
 
 

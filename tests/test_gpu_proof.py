@@ -240,9 +240,9 @@ def test_variants_split_at_flags_so_ns_coeffs_keep_their_semicolons(tmp_path):
     assert opts.main_flags == ["--ns_coeffs", "1,1,1"]
     switches = gpu_proof.parse_args(["--cpu-smoke", "--out", str(tmp_path / "out"), "--phases", "train",
                                      "--variants", "--compile_adam; --normuon --compile_scope=blocks",
-                                     "--main-flags", "--seed -1 --normuon"])
+                                     "--main-flags", "--ns_coeffs -3,4,1 --normuon"])
     assert switches.variants == [["--compile_adam", "true"], ["--normuon", "true", "--compile_scope", "blocks"]]
-    assert switches.main_flags == ["--seed", "-1", "--normuon", "true"]
+    assert switches.main_flags == ["--ns_coeffs", "-3,4,1", "--normuon", "true"]
     bad = run("--out", str(tmp_path / "x"), "--phases", "env", "--variants", "--ns_coeffs 1,2;3,4,5")
     assert bad.returncode == 2 and "--variants: '--ns_coeffs 1,2;3,4,5': --ns_coeffs=" in bad.stderr, bad.stderr
     unclosed = run("--out", str(tmp_path / "x"), "--phases", "env", "--variants", "--run_name 'x")
