@@ -16,6 +16,7 @@ Usage: python bench/ns_compile.py [--world-sizes 1,8] [--methods newton_schulz,p
 
 import os
 import sys
+import warnings
 
 import torch
 
@@ -41,6 +42,8 @@ def main(argv=None):
             p.error(f"--methods={opts.methods!r}: {m!r} is none of {', '.join(train_gpt.NS_METHODS)}")
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU (Triton kernels in bf16); on CPU tests/test_ns.py checks the kernels")
+    # inductor 2.11 warns about its own use of a deprecated helper at every compilation (seen on an H100)
+    warnings.filterwarnings("ignore", message=".*torch._prims_common.check", category=FutureWarning)
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     compiled = torch.compile(train_gpt.orthogonalize, dynamic=False, fullgraph=True)
     layout = muon_layout(train_gpt, torch)
