@@ -531,7 +531,7 @@ def check_config(args, world_size, cuda_available):
     # divide the mask's own (a block of 64 failed to compile on an H100). --sample runs SDPA.
     need(args.attn_block_size % FLEX_TILE == 0 or not uses_cuda(args, cuda_available) or args.sample,
          f"--attn_block_size={args.attn_block_size}: on CUDA, FlexAttention's kernels need a multiple of {FLEX_TILE} "
-         f"(set --attn_block_size {FLEX_TILE}, or --device cpu)")
+         f"(a new run: --attn_block_size {FLEX_TILE}; any run, a resumed one too: --device cpu)")
     need(args.ns_backend != "triton" or triton is not None, "--ns_backend=triton: triton is not installed")
     need(args.ns_backend != "triton" or uses_cuda(args, cuda_available) or TRITON_INTERPRETING,
          "--ns_backend=triton: needs a CUDA device (or TRITON_INTERPRET=1 for tests)")
@@ -1590,8 +1590,8 @@ class ShardedMuonAdam:
         """--compile: the orthogonalizer compiled whole, one graph per stack shape, as the record
         compiles its Newton-Schulz. Eager, the Python between the Triton launches outlasts the
         small stacks of 8 GPUs on the GPU: on an H100 one rank's stacks took 3.3 ms per step
-        eagerly, 1.2 compiled (bench/gpu_proof.py, phase kernels); one GPU's stacks within 3%
-        of eager or faster, and Newton-Schulz gives the same bits (bench/ns_compile.py). Dynamo
+        eagerly, 1.2 compiled (bench/gpu_proof.py, phase kernels); one GPU's larger stacks within
+        3% of eager or faster, Newton-Schulz in the same bits (bench/ns_compile.py). Dynamo
         cannot trace the Triton interpreter, so under TRITON_INTERPRET the kernels stay eager."""
         if self.hw.ns_backend == "triton" and TRITON_INTERPRETING:
             return

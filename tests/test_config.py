@@ -88,7 +88,8 @@ BAD = [
     (["--ns_coeffs", "3,-4,2;x,1,1"], {}, 1, "--ns_coeffs"),
     (["--ns_coeffs", "3,-4,inf"], {}, 1, "--ns_coeffs"),
     (["--seed", "-1"], {}, 1, "--seed=-1: must lie in [0, 2^63)"),
-    ([], {"SEED": str(2 ** 64 - 1)}, 1, f"--seed={2 ** 64 - 1}: must lie in [0, 2^63)"),  # seed + 1 overflowed in warmup
+    # seed + 1 overflowed in warmup
+    ([], {"SEED": str(2 ** 64 - 1)}, 1, f"--seed={2 ** 64 - 1}: must lie in [0, 2^63)"),
 ]
 
 
@@ -107,7 +108,7 @@ def test_flex_attention_block_size_is_checked_where_cuda_trains():
     with pytest.raises(train_gpt.ConfigError) as err:
         parse(["--preset", "cpu"], cuda=True)
     assert str(err.value) == ("--attn_block_size=64: on CUDA, FlexAttention's kernels need a multiple of 128 "
-                              "(set --attn_block_size 128, or --device cpu)")
+                              "(a new run: --attn_block_size 128; any run, a resumed one too: --device cpu)")
     assert parse(["--preset", "cpu", "--attn_block_size", "128"], cuda=True).attn_block_size == 128
     assert parse(["--preset", "cpu", "--device", "cpu"], cuda=True).attn_block_size == 64
     assert parse(["--preset", "cpu", "--sample", "run.pt"], cuda=True).sample == "run.pt"

@@ -265,14 +265,16 @@ def test_compiled_adam_compiles_once_per_kind_of_tensor():
     assert graphs == [3] * 4
 
 
-def test_compiled_orthogonalizer_is_one_graph_per_stack_and_the_eager_update(monkeypatch):
+@pytest.mark.parametrize("options", [{}, dict(ns_method="aol"), dict(ns_coeffs="3.4445,-4.775,2.0315;3,-3.2,1.2")])
+def test_compiled_orthogonalizer_is_one_graph_per_stack_and_the_eager_update(monkeypatch, options):
     """--compile compiles the orthogonalizer whole (compile_orthogonalizer): one graph per stack
-    shape (the tiny model's qkvo, MLP and gate stacks), none new as momentum and lr change; the
+    shape (the tiny model's qkvo, MLP and gate stacks), none new at later steps, also where the
+    method or a table of --ns_coeffs (a list of floats, guarded by dynamo) is an argument; the
     same parameters as the eager optimizer. Under the Triton interpreter, which dynamo cannot
     trace, the kernels stay eager."""
     from torch._dynamo.utils import counters
-    args, hw, model = perturbed_tiny_model()
-    eager_model = perturbed_tiny_model()[2]
+    args, hw, model = perturbed_tiny_model(**options)
+    eager_model = perturbed_tiny_model(**options)[2]
     optimizers = [train_gpt.ShardedMuonAdam(train_gpt.param_specs(m, args), args, train_gpt.Ranks(), hw)
                   for m in (model, eager_model)]
     assert len(optimizers[0].muon_groups) == 3
