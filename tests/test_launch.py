@@ -83,7 +83,8 @@ def test_more_processes_than_gpus_is_one_line(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    args = train_gpt.parse_config(tiny_argv(micro_batches=gpus + 1, preset="speedrun"), {}, gpus + 1, True)
+    args = train_gpt.parse_config(tiny_argv(micro_batches=gpus + 1, preset="speedrun", attn_block_size=128), {},
+                                  gpus + 1, True)  # FlexAttention's CUDA kernels take blocks of 128
     ranks = train_gpt.Ranks(rank=gpus, local_rank=gpus, world_size=gpus + 1, local_world_size=gpus + 1)
     with pytest.raises(train_gpt.ConfigError, match=f"this machine has {gpus} GPUs"):
         train_gpt.Hardware.detect(args, ranks)
