@@ -367,6 +367,19 @@ def set_by_environment(cli, environ):
     return {name for name in FIELD_NAMES if name not in cli and name.upper() in environ}
 
 
+def near_misses_in_environment(environ):
+    """Lines for the upper-case variables that nearly name a field (NUM_ITERATION=5): the run
+    ignores them, which a typo should not do silently. No common variable (PATH, RANK, NCCL_*,
+    OMP_NUM_THREADS, ...) comes this near to a field at this cutoff."""
+    fields = sorted(name.upper() for name in FIELD_NAMES)
+    lines = []
+    for key in sorted(k for k in environ if k.isupper() and k not in fields):
+        close = difflib.get_close_matches(key, fields, n=1, cutoff=0.85)
+        if close:
+            lines.append(f"ignored: {key}={environ[key]} in the environment names no field (did you mean {close[0]}?)")
+    return lines
+
+
 def named_as_set(message, argv, environ):
     """The message with each --field of its subject (before its first ": ") written FIELD where the
     environment set that field: the user looks for what they wrote."""
@@ -3191,6 +3204,8 @@ def main(argv=None, environ=None):
         die_with_the_launcher(environ)
         args = parse_config(argv, environ, ranks.world_size)
         cli = command_line_options(argv)[0]  # parse_config accepted it
+        for line in near_misses_in_environment(environ) if ranks.is_master else ():
+            say(line, sys.stderr)
         from_environment = set_by_environment(cli, environ)
         if args.sample:
             return sample_main(args, set(cli) | from_environment)

@@ -219,6 +219,30 @@ def test_errors_name_a_field_as_it_was_set(tmp_path, capsys, argv, environ, expe
     assert list(tmp_path.iterdir()) == []
 
 
+COMMON_VARIABLES = ("PATH HOME USER SHELL LANG TERM PWD HOSTNAME CUDA_HOME CUDA_VISIBLE_DEVICES LD_LIBRARY_PATH "
+                    "PYTHONPATH OMP_NUM_THREADS MKL_NUM_THREADS MASTER_ADDR MASTER_PORT RANK WORLD_SIZE LOCAL_RANK "
+                    "LOCAL_WORLD_SIZE GROUP_RANK ROLE_RANK NODE_RANK NPROC NNODES TORCHELASTIC_RUN_ID "
+                    "TRITON_INTERPRET TORCH_LOGS PYTORCH_CUDA_ALLOC_CONF NCCL_DEBUG NCCL_IB_DISABLE "
+                    "NCCL_SOCKET_IFNAME CUDA_DEVICE_MAX_CONNECTIONS SLURM_JOB_ID SLURM_PROCID HF_HOME WANDB_PROJECT "
+                    "TMPDIR VIRTUAL_ENV CONDA_PREFIX TORCHINDUCTOR_CACHE_DIR TRITON_CACHE_DIR CUDA_LAUNCH_BLOCKING "
+                    "OUT").split()
+
+
+def test_a_variable_that_nearly_names_a_field_is_said_to_be_ignored(tmp_path, capsys):
+    """NUM_ITERATION=5 (a letter short) was ignored in silence; now a line says so, before
+    anything starts (here the log folder then fails). Common variables never match."""
+    assert train_gpt.near_misses_in_environment({name: "1" for name in COMMON_VARIABLES}) == []
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    environ = {"NUM_ITERATION": "5", "MICRO_BATCH": "2", "PATH": "/bin", "OMP_NUM_THREADS": "1", "SEED": "3",
+               "num_iteration": "4"}  # lower case is no field's way
+    assert train_gpt.main([f"--log_dir={blocker / 'records'}"], environ) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[:2] == ["ignored: MICRO_BATCH=2 in the environment names no field (did you mean MICRO_BATCHES?)",
+                       "ignored: NUM_ITERATION=5 in the environment names no field (did you mean NUM_ITERATIONS?)"]
+    assert len(err) == 3 and "cannot create the folder" in err[2]
+
+
 def test_unwritable_log_dir_is_rejected_before_any_work(tmp_path, capsys):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
