@@ -367,13 +367,16 @@ def set_by_environment(cli, environ):
     return {name for name in FIELD_NAMES if name not in cli and name.upper() in environ}
 
 
+NOT_NEAR_MISSES = {"NUM_THREADS", "MODEL_DIR"}  # common variables as near a field as a typo (NUM_HEADS, MODEL_DIM)
+
+
 def near_misses_in_environment(environ):
     """Lines for the upper-case variables that nearly name a field (NUM_ITERATION=5): the run
-    ignores them, which a typo should not do silently. No common variable (PATH, RANK, NCCL_*,
-    OMP_NUM_THREADS, ...) comes this near to a field at this cutoff."""
+    ignores them, which a typo should not do silently. Apart from NOT_NEAR_MISSES, no common
+    variable (PATH, RANK, NCCL_*, OMP_NUM_THREADS, ...) comes this near to a field."""
     fields = sorted(name.upper() for name in FIELD_NAMES)
     lines = []
-    for key in sorted(k for k in environ if k.isupper() and k not in fields):
+    for key in sorted(k for k in environ if k.isupper() and k not in fields and k not in NOT_NEAR_MISSES):
         close = difflib.get_close_matches(key, fields, n=1, cutoff=0.85)
         if close:
             lines.append(f"ignored: {key}={environ[key]} in the environment names no field (did you mean {close[0]}?)")
@@ -496,8 +499,8 @@ def check_config(args, world_size, cuda_available):
         value = getattr(args, name)
         need(0.0 <= value < 1.0, f"--{name}={value}: must lie in [0, 1)")
 
-    need(0 <= args.seed < 2 ** 63, f"--seed={args.seed}: must lie in [0, 2^63) (torch's generators take 64 bits; "
-         "warmup draws from seed + 1)")
+    need(-2 ** 63 <= args.seed < 2 ** 64 - 1, f"--seed={args.seed}: must lie in [-2^63, 2^64 - 1) (torch's "
+         "generators take 64 bits; warmup draws from seed + 1)")
     need(all(c.isalnum() or c in "._-" for c in args.run_name) and args.run_name not in ("", ".", ".."),
          f"--run_name={args.run_name!r}: use letters, digits, '.', '_' and '-' only")
     fitting = -(-args.micro_batches // world_size) * world_size
@@ -3202,10 +3205,11 @@ def main(argv=None, environ=None):
     try:
         ranks = Ranks.from_env(environ)
         die_with_the_launcher(environ)
+        # Before the configuration is read: a typo may be why it is refused, or what --help shows.
+        for line in near_misses_in_environment(environ) if ranks.local_rank == 0 else ():
+            say(line, sys.stderr)
         args = parse_config(argv, environ, ranks.world_size)
         cli = command_line_options(argv)[0]  # parse_config accepted it
-        for line in near_misses_in_environment(environ) if ranks.is_master else ():
-            say(line, sys.stderr)
         from_environment = set_by_environment(cli, environ)
         if args.sample:
             return sample_main(args, set(cli) | from_environment)

@@ -47,7 +47,7 @@ def test_a_boolean_alone_switches_it_on():
     args = parse(["--normuon", "--seed", "1", "--cautious_wd"])
     assert (args.normuon, args.seed, args.cautious_wd) == (True, 1, True)
     assert parse(["--normuon", "false"]).normuon is False
-    assert parse(["--run_name", "-dev", "--ns_coeffs", "-1,2,3"]).run_name == "-dev"  # a value may start with one dash
+    assert parse(["--seed", "-1", "--ns_coeffs", "-1,2,3"]).seed == -1  # a value may start with one dash
     with pytest.raises(train_gpt.HelpRequested):
         parse(["--normuon", "-h"])  # help, not normuon='-h'
 
@@ -87,9 +87,9 @@ BAD = [
     (["--ns_coeffs", "3,-4.7"], {}, 1, "--ns_coeffs='3,-4.7': expected finite a,b,c triples"),
     (["--ns_coeffs", "3,-4,2;x,1,1"], {}, 1, "--ns_coeffs"),
     (["--ns_coeffs", "3,-4,inf"], {}, 1, "--ns_coeffs"),
-    (["--seed", "-1"], {}, 1, "--seed=-1: must lie in [0, 2^63)"),
+    (["--seed", str(-2 ** 63 - 1)], {}, 1, f"--seed={-2 ** 63 - 1}: must lie in [-2^63, 2^64 - 1)"),
     # seed + 1 overflowed in warmup
-    ([], {"SEED": str(2 ** 64 - 1)}, 1, f"--seed={2 ** 64 - 1}: must lie in [0, 2^63)"),
+    ([], {"SEED": str(2 ** 64 - 1)}, 1, f"--seed={2 ** 64 - 1}: must lie in [-2^63, 2^64 - 1)"),
 ]
 
 
@@ -225,12 +225,13 @@ COMMON_VARIABLES = ("PATH HOME USER SHELL LANG TERM PWD HOSTNAME CUDA_HOME CUDA_
                     "TRITON_INTERPRET TORCH_LOGS PYTORCH_CUDA_ALLOC_CONF NCCL_DEBUG NCCL_IB_DISABLE "
                     "NCCL_SOCKET_IFNAME CUDA_DEVICE_MAX_CONNECTIONS SLURM_JOB_ID SLURM_PROCID HF_HOME WANDB_PROJECT "
                     "TMPDIR VIRTUAL_ENV CONDA_PREFIX TORCHINDUCTOR_CACHE_DIR TRITON_CACHE_DIR CUDA_LAUNCH_BLOCKING "
-                    "OUT").split()
+                    "OUT NUM_THREADS MODEL_DIR").split()
 
 
 def test_a_variable_that_nearly_names_a_field_is_said_to_be_ignored(tmp_path, capsys):
     """NUM_ITERATION=5 (a letter short) was ignored in silence; now a line says so, before
-    anything starts (here the log folder then fails). Common variables never match."""
+    anything else (here the log folder then fails; also before --help). Common variables never
+    match."""
     assert train_gpt.near_misses_in_environment({name: "1" for name in COMMON_VARIABLES}) == []
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
@@ -241,6 +242,8 @@ def test_a_variable_that_nearly_names_a_field_is_said_to_be_ignored(tmp_path, ca
     assert err[:2] == ["ignored: MICRO_BATCH=2 in the environment names no field (did you mean MICRO_BATCHES?)",
                        "ignored: NUM_ITERATION=5 in the environment names no field (did you mean NUM_ITERATIONS?)"]
     assert len(err) == 3 and "cannot create the folder" in err[2]
+    assert train_gpt.main(["--help"], environ) == 0
+    assert capsys.readouterr().err.strip().splitlines() == err[:2]
 
 
 def test_unwritable_log_dir_is_rejected_before_any_work(tmp_path, capsys):
