@@ -110,6 +110,9 @@ def parse_args(argv):
     p.add_argument("--budget", action="append", default=[], metavar="PHASE=SECONDS",
                    help="time budget of one phase (defaults: "
                         + ", ".join(f"{k}={v}" for k, v in BUDGET_S.items()) + ")")
+    p.add_argument("--kernel-gpus", default=None, metavar="W,W",
+                   help="world sizes whose per-rank Muon stacks the kernels phase times, in this order (1 and/or 8; "
+                        "default 8,1, on --cpu-smoke 8): a short budget can go to those not yet timed")
     p.add_argument("--cpu-smoke", action="store_true", help="every phase at tiny sizes on CPU (Triton interpreted)")
     p.add_argument("--merge", nargs="+", metavar="REPORT_JSON", help="merge these reports (later phases win) into "
                    "--out (default records/gpu_proof/<date>_<device>; --cpu-smoke reports: an --out outside it)")
@@ -179,6 +182,11 @@ def parse_args(argv):
             problem = flags and trainer_config_error(flags, opts.cpu_smoke)
             if problem:
                 p.error(f"{option}: {' '.join(flags)!r}: {problem}")
+    if opts.kernel_gpus is not None:
+        worlds = [x.strip() for x in opts.kernel_gpus.split(",")]
+        if not worlds or any(w not in ("1", "8") for w in worlds) or len(set(worlds)) < len(worlds):
+            p.error(f"--kernel-gpus={opts.kernel_gpus!r}: expected 1, 8, 8,1 or 1,8")
+        opts.kernel_gpus = [int(w) for w in worlds]
     if opts.peer is not None and not os.path.isfile(opts.peer):
         p.error(f"--peer={opts.peer}: no such file")
     if opts.peer is None and os.path.isfile(os.path.join(REPO_ROOT, DEFAULT_PEER)):
@@ -255,7 +263,7 @@ def run_proof(opts):
     settings = dict(steps=opts.steps, variant_steps=opts.variant_steps, steady_from=opts.steady_from,
                     ns_methods=opts.ns_methods, main_flags=opts.main_flags, variants=opts.variants, peer=opts.peer,
                     peer_replace=opts.peer_replace, cpu_smoke=opts.cpu_smoke, budgets=opts.budgets,
-                    profile=opts.profile)
+                    profile=opts.profile, kernel_gpus=opts.kernel_gpus)
     with open(os.path.join(out, "settings.json"), "w") as f:
         json.dump(settings, f, indent=1)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -926,11 +934,13 @@ def phase_kernels(rec, ctx):
     setattr(config, name, max(getattr(config, name), 64))   # one graph per method x stack shape
     compiled = torch.compile(tg.orthogonalize_torch, backend="inductor" if cuda else "eager")
     backends = [("triton", tg.orthogonalize_triton), ("torch", compiled)]
-    if cuda:   # the record compiles its Triton Newton-Schulz whole: one graph launches the kernels, no Python between
+    if cuda:   # as the record compiles its Triton Newton-Schulz, and the trainer under --compile: no Python between launches
         backends.insert(1, ("triton compiled", torch.compile(tg.orthogonalize_triton, dynamic=False, fullgraph=True)))
     dtype = torch.bfloat16 if cuda else torch.float32
+    worlds = ctx.get("kernel_gpus") or ((8, 1) if cuda else (8,))
     if not cuda:
-        rec.note("cpu smoke: shapes divided by 48, at most 2 matrices, one timed call, world size 8 only, "
+        rec.note(f"cpu smoke: shapes divided by 48, at most 2 matrices, one timed call, world size "
+                 f"{' then '.join(map(str, worlds))}, "
                  "torch.compile "
                  "with the eager backend: the figures prove the code path, not a speed; no 'triton compiled' "
                  "backend (dynamo cannot trace interpreted kernels)")
@@ -941,8 +951,8 @@ def phase_kernels(rec, ctx):
                        "vs triton NS"])
     timed = {}   # (GPUs, method, backend): ms of each stack it was timed on
     shapes = sorted(layout["counts"], key=lambda s: -s[0] * s[1])
-    # The 8 GPUs' stacks first: the speedrun's, and the ones a short budget left out before.
-    plan = [(world, shape) for world in ((8, 1) if cuda else (8,)) for shape in shapes]
+    # By default the 8 GPUs' stacks first (the speedrun's); --kernel-gpus picks and orders them.
+    plan = [(world, shape) for world in worlds for shape in shapes]
     out_of_time = False
     # A backend that fails on every method of a stack is not tried again: on the H100 each failed
     # compilation cost about 10 s, and ten of them spent the budget meant for the 8-GPU stacks.

@@ -97,6 +97,26 @@ def test_smoke_kernels_table_covers_every_method_and_backend(smoke):
     assert {r["steps"] for r in timed if r["ns_method"] == "aol"} == {4}
 
 
+def test_kernel_gpus_choose_the_stacks_a_short_budget_times(tmp_path):
+    """--kernel-gpus 1: only one GPU's stacks (the 8 GPUs' were timed compiled on 2026-11-26, one
+    GPU's not); a world size the speedrun has no layout for is refused in one line."""
+    import time
+    opts = gpu_proof.parse_args(["--cpu-smoke", "--out", str(tmp_path / "out"), "--phases", "kernels",
+                                 "--kernel-gpus", "1"])
+    assert opts.kernel_gpus == [1]
+    rec = gpu_proof.Recorder(str(tmp_path / "kernels.json"), "kernels")
+    gpu_proof.phase_kernels(rec, {"cpu_smoke": True, "deadline": time.time() + 600, "kernel_gpus": opts.kernel_gpus})
+    timed = rec.data["tables"][0]["rows"]
+    assert timed and {r[0] for r in timed} == {1}
+    assert any("world size 1," in n for n in rec.data["notes"])
+    summary = {(r[0], r[1], r[2]): r[3] for r in rec.data["tables"][1]["rows"]}
+    assert summary[(1, "newton_schulz", "torch")] > 0 and summary[(8, "newton_schulz", "torch")] is None
+    for bad in ("2", "8,8", ""):
+        done = run("--out", str(tmp_path / "x"), "--phases", "env", "--kernel-gpus", bad)
+        assert done.returncode == 2 and done.stderr == (f"gpu_proof.py: error: --kernel-gpus={bad!r}: expected 1, 8, "
+                                                        "8,1 or 1,8\n"), done.stderr
+
+
 def test_kernels_phase_gives_up_a_backend_that_fails_on_a_whole_stack(tmp_path, monkeypatch):
     """On the H100 the compiled Triton backend failed on every stack, about 10 s each, and spent the
     budget meant for the 8-GPU stacks. A backend that fails on every method of one stack is not
