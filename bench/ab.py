@@ -336,38 +336,55 @@ def report_warnings(configs, results):
     return "".join(f"\n{line}\n" for line in lines)
 
 
-def plot(configs, results, path):
+def plot(curves, path):
+    """curves: {label: [[(step, val_loss), ...] per run]}, in the configurations' order. Two panels:
+    every step, and the last half zoomed, where configurations differ by hundredths."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(10, 6))
+    fig, (whole, zoom) = plt.subplots(1, 2, figsize=(14, 6))
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    finals = []
-    for i, (label, _) in enumerate(configs):
-        runs = [r["run"] for r in results if r["label"] == label and r["problem"] is None]
-        colour = colours[i % len(colours)]
+    finals, late = [], {}
+    last_step = max((step for runs in curves.values() for run in runs for step, _ in run), default=0)
+    for i, (label, runs) in enumerate(curves.items()):
+        # more configurations than colours: the next ones dashed, then dotted, so no two look alike
+        style = dict(color=colours[i % len(colours)], linestyle=["-", "--", ":", "-."][i // len(colours) % 4])
+        by_step = {}
         for run in runs:
-            steps = [step for step, _, _ in run.val_curve]
-            losses = [loss for _, _, loss in run.val_curve]
-            ax.plot(steps, losses, color=colour, alpha=0.35, linewidth=1)
-            finals.append(run.final_val_loss)
-        curves = {}
-        for run in runs:
-            for step, _, loss in run.val_curve:
-                curves.setdefault(step, []).append(loss)
-        steps = sorted(curves)
-        ax.plot(steps, [np.mean(curves[s]) for s in steps], color=colour, linewidth=2, marker=".",
-                label=f"{label} (mean of {len(runs)})")
+            for ax in (whole, zoom):
+                ax.plot([s for s, _ in run], [loss for _, loss in run], alpha=0.35, linewidth=1, **style)
+            for step, loss in run:
+                by_step.setdefault(step, []).append(loss)
+            finals += [loss for _, loss in run[-1:] if math.isfinite(loss)]
+        steps = sorted(by_step)
+        means = [float(np.mean(by_step[s])) for s in steps]
+        for ax in (whole, zoom):
+            ax.plot(steps, means, linewidth=2, marker=".", label=f"{label} (mean of {len(runs)})", **style)
+        if steps:
+            late[label] = (means[-1], [loss for s in steps if 2 * s >= last_step for loss in by_step[s]
+                                       if math.isfinite(loss)])
     if finals:  # the first validation (~10.8) would flatten the part that differs
-        top = max(finals) + max(0.5, 5 * (max(finals) - min(finals)))
-        ax.set_ylim(top=top)
-    ax.set_xlabel("step")
-    ax.set_ylabel("validation loss")
-    ax.set_title("Validation loss vs step, per configuration")
-    ax.grid(True, alpha=0.3)
-    ax.legend()
+        whole.set_ylim(top=max(finals) + max(0.5, 5 * (max(finals) - min(finals))))
+    off_scale = []
+    reached = [final for final, _ in late.values() if math.isfinite(final)]
+    if late:  # the zoom fits the configurations near the best; one far behind (an outlier) runs off its top
+        best = min(reached, default=math.inf)
+        cutoff = best + max(0.02, 4 * float(np.median([final - best for final in reached]))) if reached else best
+        off_scale = [label for label, (final, _) in late.items() if not final <= cutoff]  # NaN: a run diverged
+        shown = [loss for label, (_, losses) in late.items() if label not in off_scale for loss in losses]
+        zoom.set_xlim(last_step / 2 - 0.02 * last_step, last_step * 1.02)
+        if shown:
+            margin = max(0.01, 0.05 * (max(shown) - min(shown)))
+            zoom.set_ylim(min(shown) - margin, max(shown) + margin)
+    whole.set_title("Validation loss vs step, per configuration")
+    zoom.set_title("The last half of the steps, zoomed" + (f" ({', '.join(off_scale)}: above)" if off_scale else ""))
+    for ax in (whole, zoom):
+        ax.set_xlabel("step")
+        ax.set_ylabel("validation loss")
+        ax.grid(True, alpha=0.3)
+    zoom.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -461,7 +478,9 @@ def main(argv=None):
                    code_sha1=r["run"].code_hash if r["run"] else None,
                    val_curve=[[step, finite(loss)] for step, _, loss in r["run"].val_curve] if r["run"] else [])
               for r in results]), indent=1, allow_nan=False) + "\n")
-    plot(configs, results, out / "ab.png")
+    plot({label: [[(step, loss) for step, _, loss in r["run"].val_curve]
+                   for r in results if r["label"] == label and r["problem"] is None] for label, _ in configs},
+         out / "ab.png")
     print()
     print(report, end="")
     print(f"wrote {out / 'ab.md'}, {out / 'ab.json'}, {out / 'ab.png'}")

@@ -252,3 +252,28 @@ def test_report_only_without_finished_runs_keeps_the_report_there(tmp_path):
     assert done.returncode != 0 and done.stderr.strip().splitlines() == [
         f"ab.py: error: --report-only: {out} holds no finished run of these configurations and seeds"]
     assert (out / "ab.md").read_text() == "earlier results\n"
+
+
+def test_plot_tells_every_configuration_apart_and_zooms_past_an_outlier(tmp_path, monkeypatch):
+    """12 configurations (more than matplotlib's 10 colours) near each other and one far behind: every
+    mean curve has its own colour and line style, and the zoomed panel fits the 12, not the outlier."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    curves = {f"c{i}": [[(0, 10.8), (60, 6.0 + 0.01 * i), (120, 5.6 + 0.01 * i)],
+                        [(0, 10.8), (60, 6.02 + 0.01 * i), (120, 5.61 + 0.01 * i)]] for i in range(12)}
+    curves["far"] = [[(0, 10.8), (60, 6.6), (120, float("nan"))], [(0, 10.8), (60, 6.5), (120, 6.2)]]
+    ab_module.plot(curves, tmp_path / "ab.png")
+
+    assert (tmp_path / "ab.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    whole, zoom = figures[0].axes
+    means = [line for line in zoom.get_lines() if line.get_label() and not line.get_label().startswith("_")]
+    assert len(means) == 13 and len({(line.get_color(), line.get_linestyle()) for line in means}) == 13
+    low, high = zoom.get_ylim()
+    assert 5.55 < low < 5.6 and 6.13 < high < 6.3  # the 12's last half (6.0..6.13 at step 60), not far's 6.6
+    assert zoom.get_xlim()[0] > 50 and "far" in zoom.get_title()
+    assert whole.get_ylim()[1] > 6.2  # every step: the outlier in view
