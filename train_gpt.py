@@ -486,11 +486,11 @@ def check_config(args, world_size, cuda_available):
                 "model_dim", "num_heads", "head_dim", "mlp_ratio", "attn_block_size", "num_iterations",
                 "window_growth_tokens", "muon_bucket_matrices", "dist_timeout_s", "check_every", "adam_lr", "muon_lr",
                 "embed_lr_mult", "head_lr_mult", "scalar_lr_mult", "matrix_lr_mult", "attn_scale", "logit_softcap",
-                "rotary_base", "adam_shard_min_numel"]
+                "rotary_base", "adam_shard_min_numel", "adam_eps"]  # eps 0: an unseen token's row is 0/0
     for name in positive:
         need(getattr(args, name) > 0, f"--{name}={getattr(args, name)}: must be positive")
     for name in ["val_every", "warmup_steps", "threads", "num_value_embeds", "muon_momentum_warmup_steps",
-                 "weight_decay", "adam_eps", "checkpoint_every", "max_new_tokens", "temperature", "top_k"]:
+                 "weight_decay", "checkpoint_every", "max_new_tokens", "temperature", "top_k"]:
         need(getattr(args, name) >= 0, f"--{name}={getattr(args, name)}: must not be negative")
     for name in ["cooldown_frac", "final_lr_frac"]:
         value = getattr(args, name)
@@ -548,6 +548,11 @@ def check_config(args, world_size, cuda_available):
     need(args.attn_block_size % FLEX_TILE == 0 or not uses_cuda(args, cuda_available) or args.sample,
          f"--attn_block_size={args.attn_block_size}: on CUDA, FlexAttention's kernels need a multiple of {FLEX_TILE} "
          f"(a new run: --attn_block_size {FLEX_TILE}; any run, a resumed one too: --device cpu)")
+    # torch._scaled_mm, the FP8 head's matrix multiply, takes only multiples of 16 on CUDA; found at
+    # the first step, after minutes of compiling, unless refused here
+    for name in ["model_dim", "vocab_size"]:
+        need(getattr(args, name) % 16 == 0 or not (args.fp8_head and uses_cuda(args, cuda_available)) or args.sample,
+             f"--{name}={getattr(args, name)}: the FP8 head needs a multiple of 16 on CUDA (or --fp8_head false)")
     need(args.ns_backend != "triton" or triton is not None, "--ns_backend=triton: triton is not installed")
     need(args.ns_backend != "triton" or uses_cuda(args, cuda_available) or TRITON_INTERPRETING,
          "--ns_backend=triton: needs a CUDA device (or TRITON_INTERPRET=1 for tests)")
@@ -947,12 +952,15 @@ def _squeeze_interpreted_scalars() -> None:
     Done at import, before any kernel runs: dynamo would trace it inside compiled code."""
     from triton.runtime import interpreter
     patch_tensor = getattr(interpreter, "_patch_lang_tensor", None)
-    if patch_tensor is None:   # another interpreter layout: leave it as it is
+    # Another interpreter layout: leave it as it is. Patched already: this file imported twice
+    # (as __main__ and as train_gpt, where the FP8 ops are registered).
+    if patch_tensor is None or getattr(patch_tensor, "squeezes_scalars", False):
         return
 
     def patch_tensor_squeezing(tensor, scope):
         patch_tensor(tensor, scope)
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+    patch_tensor_squeezing.squeezes_scalars = True
     interpreter._patch_lang_tensor = patch_tensor_squeezing
 
 
@@ -2194,6 +2202,10 @@ class DataError(ValueError):
     """A missing or malformed data file; the message is one line naming the file."""
 
 
+class SetupError(RuntimeError):
+    """A failure in the set-up other than the data's or the checkpoint's (out of memory, a bug)."""
+
+
 class PeerDataError(DataError):
     """Another rank failed in set-up before training (its data files, its checkpoint, memory);
     that rank reports it, this one ends quietly."""
@@ -2652,9 +2664,9 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
     if args.save_checkpoint and ranks.is_master and checkpoint_path is None:
         raise ValueError("save_checkpoint: the checkpoint goes beside the log, so train() needs a RunLog")
     pin = hw.device.type == "cuda"
-    # Each rank reads the files itself, so one may fail alone (a flaky network filesystem) while
-    # the others would wait at their next collective for the dist timeout. So the ranks agree
-    # here: the lowest rank that failed names the file, once, and every rank ends.
+    # Each rank reads the files itself and builds the model, so one may fail alone (a flaky network
+    # filesystem, out of memory) while the others would wait at their next collective for the dist
+    # timeout. So the ranks agree here: the lowest rank that failed says why, once, and every rank ends.
     failure = checkpoint = None
     try:
         if args.resume:  # parse_config checked it; a read that fails now fails on one rank alone
@@ -2666,6 +2678,8 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
         if checkpoint is not None and checkpoint["loader"] is not None:  # now, not after compiling
             TrainBatches.check_position(checkpoint["loader"], train_files)
         shortfall = data_shortfall(train_files, args)
+        model = GPT(args, hw).to(hw.device)  # here: out of memory on one rank ends every rank
+        optimizer = ShardedMuonAdam(param_specs(model, args), args, ranks, hw, collectives)
     except Exception as e:  # any failure (out of memory too): every rank must reach the agreement
         failure = e
     if ranks.world_size > 1:
@@ -2681,6 +2695,10 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
             raise DataError(f"rank {ranks.rank}: {failure}") from None
         if failed and not all_failed and isinstance(failure, Interrupted):
             failure.rank_alone = ranks.rank  # the ranks it stops end quietly: this one must say why
+    if failure is not None and not isinstance(failure, (DataError, CheckpointError, ConfigError, Interrupted)):
+        traceback.print_exception(failure)  # out of memory, or a fork's bug: where it happened
+        where = f"rank {ranks.rank}: " if ranks.world_size > 1 else ""
+        raise SetupError(f"{where}failed in set-up: {type(failure).__name__}: {first_line(failure)}") from None
     if failure is not None:
         raise failure
     batches = None  # made inside the clock: setup derived from the data counts as training time
@@ -2689,14 +2707,6 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
     window_sizes = {blocks: torch.tensor(blocks, device=hw.device)
                     for blocks in {long_window_blocks_at(s, args) for s in range(args.num_iterations + 1)}}
 
-    model = GPT(args, hw).to(hw.device)
-    specs = param_specs(model, args)
-    optimizer = ShardedMuonAdam(specs, args, ranks, hw, collectives)
-    if args.compile:
-        model.compile_for_training(args.compile_scope)
-        optimizer.compile_orthogonalizer()
-    if args.compile_adam:
-        optimizer.compile_adam()
     log_header(log, args, ranks, hw, model, optimizer, data_note, (train_files, val_files))
     if shortfall:
         log(shortfall)
@@ -2705,18 +2715,22 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
     step_losses = []
     checked = 0  # step_losses[:checked] are known to be finite
 
-    def check(step):
+    def check(step, weights=False):
         """Why the run must stop now, as (line, exit code), or None: the same answer on every rank.
-        Reads the losses since the last check in one transfer (the only host-GPU sync it costs)."""
+        Reads the losses since the last check in one transfer (the only host-GPU sync it costs);
+        with weights, also whether every weight is finite (before a checkpoint: an update can
+        leave them nan a step before any loss shows it)."""
         nonlocal checked
         recent = step_losses[checked:]
         log_failure = getattr(log, "error", None)  # tests log to plain functions, which never fail
         flags = [stop.signum == signal.SIGINT, stop.signum == signal.SIGTERM, log_failure is not None]
+        weights_bad = (torch.stack([p.isfinite().all() for p in model.parameters()]).all().logical_not().view(1)
+                       if weights else torch.zeros(1, device=hw.device))
         values = torch.cat([torch.stack(recent).float() if recent else torch.zeros(0, device=hw.device),
-                            torch.tensor(flags, dtype=torch.float32, device=hw.device)])
+                            torch.tensor(flags, dtype=torch.float32, device=hw.device), weights_bad])
         if ranks.world_size > 1:
             dist.all_reduce(values)  # a sum: nan or inf on any rank stays non-finite
-        *losses, sigint, sigterm, log_failed = values.tolist()
+        *losses, sigint, sigterm, log_failed, nonfinite_weights = values.tolist()
         if sigint or sigterm:
             signum = signal.SIGINT if sigint else signal.SIGTERM
             return f"interrupted at step {step}/{N} ({signal.Signals(signum).name})", 128 + signum
@@ -2724,6 +2738,8 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
         if bad:
             return (f"diverged at step {step - len(losses) + bad[0] + 1}/{N}: train loss is {losses[bad[0]]} "
                     f"(stopped at step {step})", EXIT_DIVERGED)
+        if nonfinite_weights:
+            return f"diverged at step {step}/{N}: a weight is nan or inf (no checkpoint written)", EXIT_DIVERGED
         if log_failed:
             return f"{log_failure or 'rank 0 cannot write the log'} at step {step}/{N}", EXIT_ERROR
         checked = len(step_losses)
@@ -2794,7 +2810,12 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
     resumed_step = checkpoint["step"] if checkpoint is not None else 0
     try:  # the loader's thread is closed however this ends (a KeyboardInterrupt too, where no
           # StopSignals watch: tests, bench scripts)
-        try:  # from warmup on, where a fork's bug or the compiler first fails, a failure is one line and logged
+        try:  # from compiling on, where a fork's bug or the compiler first fails, a failure is one line and logged
+            if args.compile:
+                model.compile_for_training(args.compile_scope)
+                optimizer.compile_orthogonalizer()
+            if args.compile_adam:
+                optimizer.compile_adam()
             if args.warmup_steps:
                 warm_up()
             resumed_loader = None
@@ -2809,14 +2830,16 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
             stop.phase = "loop"  # from here on a signal ends the run at the next check, on every rank
             while True:
                 last_step = step == N or result.stopped_early is not None
-                if last_step or step % args.check_every == 0 or (ranks.world_size == 1 and stop.signum):
+                validating = last_step or (args.val_every > 0 and step % args.val_every == 0)
+                # checked before a validation too: a diverged model's would cost a validation to say less
+                if validating or step % args.check_every == 0 or (ranks.world_size == 1 and stop.signum):
                     ending = check(step)
                     if ending:
                         result.failure, result.exit_code = ending
                         break
                 if last_step:
                     stop.phase = "end"  # its last validation: a signal now changes nothing
-                if last_step or (args.val_every > 0 and step % args.val_every == 0):
+                if validating:
                     synchronize(hw)
                     training_time_ms += 1000 * (time.perf_counter() - t0)
                     val_loss = validate(step)
@@ -2844,6 +2867,10 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
                 approx_ms = training_time_ms + 1000 * (time.perf_counter() - t0)
                 log(f"step:{step}/{N} train_time:{approx_ms:.0f}ms step_avg:{approx_ms / step:.2f}ms")
                 if args.checkpoint_every and step % args.checkpoint_every == 0 and step < N:
+                    ending = check(step, weights=True)  # a diverged model must not replace the last good one
+                    if ending:
+                        result.failure, result.exit_code = ending
+                        break
                     synchronize(hw)  # the clock stops while the checkpoint is written
                     training_time_ms += 1000 * (time.perf_counter() - t0)
                     result.checkpoint_error = save_checkpoint(checkpoint_path, step, training_time_ms, args, ranks,
@@ -3242,7 +3269,7 @@ def main(argv=None, environ=None):
         stop.install()
         init_process_group(args, ranks, hw)
         result = train(args, ranks, hw, log, stop=stop)
-    except (DataError, RankMismatch, CheckpointError, ConfigError) as e:
+    except (DataError, RankMismatch, CheckpointError, ConfigError, SetupError) as e:
         stop.phase = "end"  # first: a signal from here on cannot raise (a peer's exit makes torchrun send one)
         if not isinstance(e, PeerDataError):
             say(f"train_gpt.py: error: {named_as_set(str(e), argv, environ)}", sys.stderr)

@@ -84,6 +84,7 @@ BAD = [
     ([], {"ADAM_LR": "nan"}, 1, "--adam_lr=nan: must be a finite number"),
     (["--weight_decay", "-inf"], {}, 1, "--weight_decay=-inf: must be a finite number"),
     (["--check_every", "0"], {}, 1, "--check_every=0: must be positive"),
+    (["--adam_eps", "0"], {}, 1, "--adam_eps=0.0: must be positive"),  # a row no token has reached: 0/0
     (["--ns_coeffs", "3,-4.7"], {}, 1, "--ns_coeffs='3,-4.7': expected finite a,b,c triples"),
     (["--ns_coeffs", "3,-4,2;x,1,1"], {}, 1, "--ns_coeffs"),
     (["--ns_coeffs", "3,-4,inf"], {}, 1, "--ns_coeffs"),
@@ -113,6 +114,19 @@ def test_flex_attention_block_size_is_checked_where_cuda_trains():
     assert parse(["--preset", "cpu", "--device", "cpu"], cuda=True).attn_block_size == 64
     assert parse(["--preset", "cpu", "--sample", "run.pt"], cuda=True).sample == "run.pt"
     assert parse(["--preset", "speedrun", "--attn_block_size", "256"], cuda=True).attn_block_size == 256
+
+
+def test_fp8_head_shapes_are_checked_where_cuda_trains():
+    """torch._scaled_mm takes multiples of 16 only: GPT-2's own 50257 tokens failed at the first
+    step, after compiling; now refused at once on CUDA. Without the FP8 head, or on CPU, any size."""
+    for argv, name in [(["--vocab_size", "50257"], "--vocab_size=50257"),
+                       (["--num_heads", "5", "--head_dim", "104", "--model_dim", "520"], "--model_dim=520")]:
+        with pytest.raises(train_gpt.ConfigError) as err:
+            parse(argv, cuda=True)
+        assert str(err.value) == f"{name}: the FP8 head needs a multiple of 16 on CUDA (or --fp8_head false)"
+        assert parse(argv + ["--fp8_head", "false"], cuda=True).fp8_head is False
+        assert parse(argv + ["--preset", "speedrun"], cuda=False).fp8_head is True
+    assert parse(["--vocab_size", "50320"], cuda=True).vocab_size == 50320
 
 
 def test_main_rejects_before_touching_anything(tmp_path, capsys):

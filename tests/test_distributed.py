@@ -338,7 +338,7 @@ def test_inconsistent_launch_fails_fast(tmp_path, make_shards):
 
 def unreadable_shard_worker(bad_ranks, rank, *args, error=train_gpt.DataError):
     """main_worker, but on bad_ranks reading the training shard raises error (a flaky network
-    filesystem: DataError; or MemoryError, which main() lets through: then "-1" is the code)."""
+    filesystem: DataError; or MemoryError, which main() reports with its traceback)."""
     if rank in bad_ranks:
         read = train_gpt.read_shard_tokens
 
@@ -347,11 +347,7 @@ def unreadable_shard_worker(bad_ranks, rank, *args, error=train_gpt.DataError):
                 raise error(f"{path}: cannot read (Input/output error)")
             return read(path, *a, **k)
         train_gpt.read_shard_tokens = failing_read  # a spawned process: nothing else sees this
-    try:
-        main_worker(rank, *args)
-    except MemoryError as e:
-        with open(os.path.join(args[-1], f"rank{rank}.txt"), "w") as f:
-            f.write(f"-1\n{type(e).__name__}")
+    main_worker(rank, *args)
 
 
 @pytest.mark.parametrize("bad_ranks, prefix", [((1,), "rank 1: "), ((0, 1), "")])
@@ -441,14 +437,21 @@ def test_a_signal_reaching_one_rank_in_set_up_is_reported_by_that_rank(tmp_path,
 
 def test_any_failure_while_reading_data_on_one_rank_ends_the_others_at_once(tmp_path, make_shards):
     """Not only DataErrors: an error main() does not expect (out of memory) still reaches the
-    agreement, so the other rank ends silently instead of waiting for the dist timeout."""
+    agreement, so the other rank ends silently instead of waiting for the dist timeout; the
+    failing rank ends in one line, after the traceback that says where."""
     train_glob, val_glob, _ = make_shards()
     argv = tiny_argv(train_files=train_glob, val_files=val_glob, log_dir=tmp_path / "logs", micro_batches=2,
                      dist_timeout_s=60)
     worker = functools.partial(unreadable_shard_worker, (1,), error=MemoryError)
     results, elapsed = launch_main(tmp_path, [argv, argv], world_size=2, worker=worker)
-    assert results == [(train_gpt.EXIT_ERROR, ""), (-1, "MemoryError")]
+    assert results[0] == (train_gpt.EXIT_ERROR, "")
+    code, err = results[1]
+    shard = train_glob.replace("*", "000001")
+    assert code == train_gpt.EXIT_ERROR and err.startswith("Traceback (most recent call last)")
+    assert err.splitlines()[-1] == (f"train_gpt.py: error: rank 1: failed in set-up: MemoryError: {shard}: "
+                                    "cannot read (Input/output error)")
     assert elapsed < 30
+    assert not (tmp_path / "logs").exists()
 
 
 def test_missing_rank_times_out_with_a_message(tmp_path, make_shards):

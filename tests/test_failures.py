@@ -72,10 +72,40 @@ def test_nonfinite_train_loss_stops_at_the_next_check_naming_the_step(make_shard
 
 
 def test_nonfinite_val_loss_stops_the_run(make_shards):
-    result, lines = poisoned_run(make_shards, at_step=1, num_iterations=12, val_every=2, check_every=100)
+    # weights nan right after step 2's loss: the check before the validation sees finite losses
+    result, lines = poisoned_run(make_shards, at_step=2, num_iterations=12, val_every=2, check_every=100)
     assert result.failure == "diverged at step 2/12: val_loss is nan"
     assert result.exit_code == train_gpt.EXIT_DIVERGED and result.steps_done == 2
     assert lines[-3].startswith("step:2/12 val_loss:nan") and PEAK.match(lines[-1])
+
+
+def test_nonfinite_train_loss_is_found_before_a_validation_not_by_it(make_shards):
+    """A validation step that is no check step (the speedrun's 125 and 10) checks the losses first:
+    a diverged model's validation would cost 10M tokens and name a later step."""
+    result, lines = poisoned_run(make_shards, at_step=1, num_iterations=12, val_every=3, check_every=100)
+    assert result.failure == "diverged at step 2/12: train loss is nan (stopped at step 3)"
+    assert result.exit_code == train_gpt.EXIT_DIVERGED and result.steps_done == 3
+    assert not any("val_loss" in line for line in lines if line.startswith("step:3/"))
+
+
+def test_a_diverged_model_never_replaces_the_last_checkpoint(tmp_path, make_shards, monkeypatch, capsys):
+    """The update of step 3 leaves the weights nan while its loss, taken before the update, is finite:
+    the checkpoint due after step 3 checks the weights, writes nothing, and step 2's stays."""
+    train_glob, val_glob, _ = make_shards()
+    log_dir = tmp_path / "records"
+    lr_factor_at = train_gpt.lr_factor_at
+    monkeypatch.setattr(train_gpt, "lr_factor_at", lambda step, args: float("nan") if step >= 2
+                        else lr_factor_at(step, args))
+    argv = tiny_argv(train_files=train_glob, val_files=val_glob, log_dir=log_dir, num_iterations=8, val_every=0,
+                     check_every=100, save_checkpoint=True, checkpoint_every=1)
+    assert train_gpt.main(argv, {}) == train_gpt.EXIT_DIVERGED
+    body = only_log(log_dir).splitlines()
+    assert body[-2] == "diverged at step 3/8: a weight is nan or inf (no checkpoint written)"
+    assert [line.split(" saved")[0] for line in body if line.startswith("checkpoint:")] == [
+        "checkpoint: step 1", "checkpoint: step 2"]
+    (path,) = log_dir.glob("*/*.pt")
+    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    assert checkpoint["step"] == 2 and all(v.isfinite().all() for v in checkpoint["model"].values())
 
 
 def test_diverged_run_exits_4_with_one_line_and_a_complete_log(tmp_path, make_shards, monkeypatch, capsys):
@@ -197,6 +227,22 @@ def test_bad_shard_found_by_one_rank_in_the_loop_is_named_by_that_rank(make_shar
     assert result.failure == "rank 1: fineweb_train_000002.bin: cannot read (Input/output error)"
     assert lines[-2] == result.failure and PEAK.match(lines[-1])
     assert at_failure and len(collectives) == at_failure[0]  # no final all_reduce of the losses
+
+
+def test_out_of_memory_while_building_the_model_is_one_line(tmp_path, make_shards, monkeypatch, capsys):
+    """The model and the optimizer state are built in the set-up (where a larger fork runs out of
+    memory): one line after the traceback, exit 1, no log begun."""
+    train_glob, val_glob, _ = make_shards()
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+    monkeypatch.setattr(train_gpt, "GPT", out_of_memory)
+    argv = tiny_argv(train_files=train_glob, val_files=val_glob, log_dir=tmp_path / "records")
+    assert train_gpt.main(argv, {}) == train_gpt.EXIT_ERROR
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback (most recent call last)") and err.splitlines()[-1] == (
+        "train_gpt.py: error: failed in set-up: OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 GiB")
+    assert not (tmp_path / "records").exists()
 
 
 def test_crash_without_a_log_file_prints_its_traceback(make_shards, capsys):

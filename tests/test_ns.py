@@ -400,3 +400,15 @@ def test_section_imports_and_runs_without_triton():
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert "torch.Size([4, 6])" in result.stdout
+
+
+def test_the_interpreter_patch_is_applied_once():
+    """Under TRITON_INTERPRET, importing train_gpt patches Triton's interpreter; importing it again
+    (as __main__ and as train_gpt) must not wrap the patch a second time."""
+    interpreter = pytest.importorskip("triton.runtime.interpreter")
+    patched = getattr(interpreter, "_patch_lang_tensor", None)
+    if patched is None:
+        pytest.skip("this Triton's interpreter has no _patch_lang_tensor: nothing is patched")
+    assert getattr(patched, "squeezes_scalars", False)
+    ns._squeeze_interpreted_scalars()
+    assert interpreter._patch_lang_tensor is patched
