@@ -548,11 +548,6 @@ def check_config(args, world_size, cuda_available):
     need(args.attn_block_size % FLEX_TILE == 0 or not uses_cuda(args, cuda_available) or args.sample,
          f"--attn_block_size={args.attn_block_size}: on CUDA, FlexAttention's kernels need a multiple of {FLEX_TILE} "
          f"(a new run: --attn_block_size {FLEX_TILE}; any run, a resumed one too: --device cpu)")
-    # torch._scaled_mm, the FP8 head's matrix multiply, takes only multiples of 16 on CUDA; found at
-    # the first step, after minutes of compiling, unless refused here
-    for name in ["model_dim", "vocab_size"]:
-        need(getattr(args, name) % 16 == 0 or not (args.fp8_head and uses_cuda(args, cuda_available)) or args.sample,
-             f"--{name}={getattr(args, name)}: the FP8 head needs a multiple of 16 on CUDA (or --fp8_head false)")
     need(args.ns_backend != "triton" or triton is not None, "--ns_backend=triton: triton is not installed")
     need(args.ns_backend != "triton" or uses_cuda(args, cuda_available) or TRITON_INTERPRETING,
          "--ns_backend=triton: needs a CUDA device (or TRITON_INTERPRET=1 for tests)")
@@ -594,8 +589,14 @@ class Hardware:
             raise ConfigError(f"LOCAL_WORLD_SIZE={ranks.local_world_size} in the environment: this machine has "
                               f"{gpus} GPUs; start at most one process per GPU (NPROC={gpus} ./run.sh)")
         device = torch.device("cuda", ranks.local_rank)
-        fp8_supported = torch.cuda.get_device_capability(device) >= (8, 9)  # Ada, Hopper and newer
-        return Hardware(device, torch.bfloat16, "flex", args.fp8_head and fp8_supported, ns_backend, "nccl")
+        fp8 = args.fp8_head and torch.cuda.get_device_capability(device) >= (8, 9)  # Ada, Hopper and newer
+        # torch._scaled_mm, the FP8 head's matrix multiply, takes multiples of 16 only: otherwise
+        # found at the first step, after minutes of compiling. --sample runs the head in bf16.
+        for name in ["model_dim", "vocab_size"]:
+            if fp8 and getattr(args, name) % 16 and not args.sample:
+                raise ConfigError(f"--{name}={getattr(args, name)}: the FP8 head needs a multiple of 16 on this GPU "
+                                  "(a new run: --fp8_head false; any run, a resumed one too: --device cpu)")
+        return Hardware(device, torch.bfloat16, "flex", fp8, ns_backend, "nccl")
 
 
 def keep_freed_memory_on_cpu():
@@ -2682,6 +2683,7 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
         optimizer = ShardedMuonAdam(param_specs(model, args), args, ranks, hw, collectives)
     except Exception as e:  # any failure (out of memory too): every rank must reach the agreement
         failure = e
+    all_failed = True  # as far as this rank knows
     if ranks.world_size > 1:
         failed = failure is not None
         outcome = torch.tensor([ranks.rank if failed else ranks.world_size, int(failed)], device=hw.device)
@@ -2697,7 +2699,7 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
             failure.rank_alone = ranks.rank  # the ranks it stops end quietly: this one must say why
     if failure is not None and not isinstance(failure, (DataError, CheckpointError, ConfigError, Interrupted)):
         traceback.print_exception(failure)  # out of memory, or a fork's bug: where it happened
-        where = f"rank {ranks.rank}: " if ranks.world_size > 1 else ""
+        where = "" if all_failed else f"rank {ranks.rank}: "
         raise SetupError(f"{where}failed in set-up: {type(failure).__name__}: {first_line(failure)}") from None
     if failure is not None:
         raise failure
@@ -2714,13 +2716,15 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
     N = args.num_iterations
     step_losses = []
     checked = 0  # step_losses[:checked] are known to be finite
+    checked_step = None  # the step of the last check
 
     def check(step, weights=False):
         """Why the run must stop now, as (line, exit code), or None: the same answer on every rank.
         Reads the losses since the last check in one transfer (the only host-GPU sync it costs);
         with weights, also whether every weight is finite (before a checkpoint: an update can
         leave them nan a step before any loss shows it)."""
-        nonlocal checked
+        nonlocal checked, checked_step
+        checked_step = step
         recent = step_losses[checked:]
         log_failure = getattr(log, "error", None)  # tests log to plain functions, which never fail
         flags = [stop.signum == signal.SIGINT, stop.signum == signal.SIGTERM, log_failure is not None]
@@ -2731,15 +2735,15 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
         if ranks.world_size > 1:
             dist.all_reduce(values)  # a sum: nan or inf on any rank stays non-finite
         *losses, sigint, sigterm, log_failed, nonfinite_weights = values.tolist()
-        if sigint or sigterm:
-            signum = signal.SIGINT if sigint else signal.SIGTERM
-            return f"interrupted at step {step}/{N} ({signal.Signals(signum).name})", 128 + signum
         bad = [i for i, loss in enumerate(losses) if not math.isfinite(loss)]
-        if bad:
+        if bad:  # before a signal: a checkpoint is written where the run did not diverge
             return (f"diverged at step {step - len(losses) + bad[0] + 1}/{N}: train loss is {losses[bad[0]]} "
                     f"(stopped at step {step})", EXIT_DIVERGED)
         if nonfinite_weights:
             return f"diverged at step {step}/{N}: a weight is nan or inf (no checkpoint written)", EXIT_DIVERGED
+        if sigint or sigterm:
+            signum = signal.SIGINT if sigint else signal.SIGTERM
+            return f"interrupted at step {step}/{N} ({signal.Signals(signum).name})", 128 + signum
         if log_failed:
             return f"{log_failure or 'rank 0 cannot write the log'} at step {step}/{N}", EXIT_ERROR
         checked = len(step_losses)
@@ -2828,20 +2832,26 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
             stop.until_text = ("stops after this step" if ranks.world_size == 1 else
                                f"stops at its next check, within {args.check_every} steps")
             stop.phase = "loop"  # from here on a signal ends the run at the next check, on every rank
+            checked_step = None  # warmup and the restore came after check(0): check again
             while True:
                 last_step = step == N or result.stopped_early is not None
                 validating = last_step or (args.val_every > 0 and step % args.val_every == 0)
-                # checked before a validation too: a diverged model's would cost a validation to say less
-                if validating or step % args.check_every == 0 or (ranks.world_size == 1 and stop.signum):
+                if ((last_step or step % args.check_every == 0) and checked_step != step
+                        or (ranks.world_size == 1 and stop.signum)):
                     ending = check(step)
                     if ending:
                         result.failure, result.exit_code = ending
                         break
-                if last_step:
-                    stop.phase = "end"  # its last validation: a signal now changes nothing
                 if validating:
                     synchronize(hw)
                     training_time_ms += 1000 * (time.perf_counter() - t0)
+                    # checked (untimed) before any validation: a diverged model's would cost 10M tokens to say less
+                    ending = check(step) if checked_step != step else None
+                    if ending:
+                        result.failure, result.exit_code = ending
+                        break
+                    if last_step:
+                        stop.phase = "end"  # its last validation: a signal now changes nothing
                     val_loss = validate(step)
                     result.val_losses.append((step, val_loss))
                     log(f"step:{step}/{N} val_loss:{val_loss:.4f} train_time:{training_time_ms:.0f}ms "
@@ -2867,15 +2877,18 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
                 approx_ms = training_time_ms + 1000 * (time.perf_counter() - t0)
                 log(f"step:{step}/{N} train_time:{approx_ms:.0f}ms step_avg:{approx_ms / step:.2f}ms")
                 if args.checkpoint_every and step % args.checkpoint_every == 0 and step < N:
-                    ending = check(step, weights=True)  # a diverged model must not replace the last good one
-                    if ending:
+                    synchronize(hw)  # the clock stops while the checkpoint is checked and written
+                    training_time_ms += 1000 * (time.perf_counter() - t0)
+                    ending = check(step, weights=True)  # this step's check: a diverged model must not
+                    if ending and ending[1] == EXIT_DIVERGED:  # replace the last good checkpoint
                         result.failure, result.exit_code = ending
                         break
-                    synchronize(hw)  # the clock stops while the checkpoint is written
-                    training_time_ms += 1000 * (time.perf_counter() - t0)
                     result.checkpoint_error = save_checkpoint(checkpoint_path, step, training_time_ms, args, ranks,
                                                               model, optimizer, batches, result, log)
                     saved_step = step if result.checkpoint_error is None else saved_step
+                    if ending:  # interrupted: written first, so the run goes on from this step
+                        result.failure, result.exit_code = ending
+                        break
                     t0 = time.perf_counter()
                 if on_step is not None:
                     on_step(step, model, optimizer)

@@ -435,20 +435,23 @@ def test_a_signal_reaching_one_rank_in_set_up_is_reported_by_that_rank(tmp_path,
     assert (tmp_path / "rank1.stdout").read_text().startswith("rank 1: interrupted at step 0/3 (SIGINT)\n")
 
 
-def test_any_failure_while_reading_data_on_one_rank_ends_the_others_at_once(tmp_path, make_shards):
+@pytest.mark.parametrize("bad_ranks, prefix", [((1,), "rank 1: "), ((0, 1), "")])
+def test_any_failure_while_reading_data_on_one_rank_ends_the_others_at_once(tmp_path, make_shards, bad_ranks, prefix):
     """Not only DataErrors: an error main() does not expect (out of memory) still reaches the
     agreement, so the other rank ends silently instead of waiting for the dist timeout; the
-    failing rank ends in one line, after the traceback that says where."""
+    lowest failing rank ends in one line, after the traceback that says where (named where
+    another rank did not fail)."""
     train_glob, val_glob, _ = make_shards()
     argv = tiny_argv(train_files=train_glob, val_files=val_glob, log_dir=tmp_path / "logs", micro_batches=2,
                      dist_timeout_s=60)
-    worker = functools.partial(unreadable_shard_worker, (1,), error=MemoryError)
+    worker = functools.partial(unreadable_shard_worker, bad_ranks, error=MemoryError)
     results, elapsed = launch_main(tmp_path, [argv, argv], world_size=2, worker=worker)
-    assert results[0] == (train_gpt.EXIT_ERROR, "")
-    code, err = results[1]
+    reporting = min(bad_ranks)
+    assert [code for code, _ in results] == [train_gpt.EXIT_ERROR] * 2 and results[1 - reporting][1] == ""
+    err = results[reporting][1]
     shard = train_glob.replace("*", "000001")
-    assert code == train_gpt.EXIT_ERROR and err.startswith("Traceback (most recent call last)")
-    assert err.splitlines()[-1] == (f"train_gpt.py: error: rank 1: failed in set-up: MemoryError: {shard}: "
+    assert err.startswith("Traceback (most recent call last)")
+    assert err.splitlines()[-1] == (f"train_gpt.py: error: {prefix}failed in set-up: MemoryError: {shard}: "
                                     "cannot read (Input/output error)")
     assert elapsed < 30
     assert not (tmp_path / "logs").exists()

@@ -229,6 +229,49 @@ def test_bad_shard_found_by_one_rank_in_the_loop_is_named_by_that_rank(make_shar
     assert at_failure and len(collectives) == at_failure[0]  # no final all_reduce of the losses
 
 
+def test_a_signal_at_a_checkpoint_step_writes_that_checkpoint_first(tmp_path, make_shards, monkeypatch, capsys):
+    """Ctrl-C during the step that ends at a checkpoint step: the checkpoint (the step's check, of
+    finite losses and weights) is written, then the run stops there; --resume goes on from it."""
+    train_glob, val_glob, _ = make_shards()
+    log_dir = tmp_path / "records"
+    lr_factor_at = train_gpt.lr_factor_at
+
+    def ctrl_c_in_step_3(step, args):
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+        return lr_factor_at(step, args)
+    monkeypatch.setattr(train_gpt, "lr_factor_at", ctrl_c_in_step_3)
+    argv = tiny_argv(train_files=train_glob, val_files=val_glob, log_dir=log_dir, num_iterations=8, val_every=0,
+                     check_every=100, save_checkpoint=True, checkpoint_every=2)
+    assert train_gpt.main(argv, {}) == 128 + signal.SIGINT
+    body = only_log(log_dir).splitlines()
+    (path,) = log_dir.glob("*/*.pt")
+    assert [line.split(" saved")[0] for line in body if line.startswith("checkpoint:")] == [
+        "checkpoint: step 2", "checkpoint: step 4"]
+    assert body[-3].startswith(f"last checkpoint: step 4, {path}") and body[-2] == "interrupted at step 4/8 (SIGINT)"
+    assert torch.load(path, map_location="cpu", weights_only=True)["step"] == 4
+
+
+def test_each_step_is_checked_once(tmp_path, make_shards):
+    """The checks of a run (step, weights too): check_every 4, a validation at 5 (checked first, off
+    the clock), a checkpoint at 4 (its check is the step's); none twice at one step but step 0,
+    checked before warmup (the log's header) and again after it."""
+    train_glob, val_glob, _ = make_shards()
+    argv = tiny_argv(train_files=train_glob, val_files=val_glob, log_dir=tmp_path / "records", num_iterations=8,
+                     val_every=5, check_every=4, save_checkpoint=True, checkpoint_every=4, warmup_steps=1)
+    checks = []
+
+    def record_checks(frame, event, arg):
+        if event == "call" and frame.f_code.co_name == "check" and frame.f_code.co_filename == train_gpt.__file__:
+            checks.append((frame.f_locals["step"], frame.f_locals["weights"]))
+    sys.setprofile(record_checks)
+    try:
+        assert train_gpt.main(argv, {}) == 0
+    finally:
+        sys.setprofile(None)
+    assert checks == [(0, False), (0, False), (4, True), (5, False), (8, False)]
+
+
 def test_out_of_memory_while_building_the_model_is_one_line(tmp_path, make_shards, monkeypatch, capsys):
     """The model and the optimizer state are built in the set-up (where a larger fork runs out of
     memory): one line after the traceback, exit 1, no log begun."""

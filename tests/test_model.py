@@ -281,6 +281,25 @@ def test_whole_model_compiles_to_one_graph_for_training_and_one_for_validation(l
             torch.testing.assert_close(p.grad, eager_grads[name], msg=name)
 
 
+def test_fp8_head_shapes_are_checked_where_the_fp8_head_runs(monkeypatch):
+    """torch._scaled_mm takes multiples of 16 only: GPT-2's own 50257 tokens failed at the first
+    step, after compiling; now refused before anything starts, on GPUs that run the FP8 head only."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    for fields, name in [(dict(vocab_size=50257), "--vocab_size=50257"),
+                         (dict(num_heads=5, head_dim=104, model_dim=520), "--model_dim=520")]:
+        with pytest.raises(train_gpt.ConfigError) as err:
+            train_gpt.Hardware.detect(train_gpt.Hyperparameters(**fields))
+        assert str(err.value) == (f"{name}: the FP8 head needs a multiple of 16 on this GPU (a new run: "
+                                  "--fp8_head false; any run, a resumed one too: --device cpu)")
+        assert train_gpt.Hardware.detect(train_gpt.Hyperparameters(**fields, fp8_head=False)).fp8_head is False
+        assert train_gpt.Hardware.detect(train_gpt.Hyperparameters(**fields, sample="run.pt")).device.type == "cuda"
+    assert train_gpt.Hardware.detect(train_gpt.Hyperparameters(vocab_size=50320)).fp8_head is True
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))  # an A100: no FP8 head
+    assert train_gpt.Hardware.detect(train_gpt.Hyperparameters(vocab_size=50257)).fp8_head is False
+
+
 @pytest.mark.parametrize("cuda, capability, fp8", [(False, None, False), (True, (8, 0), False), (True, (9, 0), True)])
 def test_hardware_branches(monkeypatch, cuda, capability, fp8):
     """FP8 only on GPUs that support it (compute capability 8.9+), Triton orthogonalization and
