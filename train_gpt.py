@@ -101,10 +101,10 @@ class Hyperparameters:
     head_dim: int = 128                 # num_heads x head_dim must equal model_dim
     mlp_ratio: int = 4                  # MLP hidden width = mlp_ratio x model_dim
     attention_free_layers: str = "7"    # comma-separated block indices that have only an MLP
-    num_value_embeds: int = 3           # value embeddings added in blocks 0,1,2 and again in the last 3
+    num_value_embeds: int = 3           # N value embeddings, added in blocks 0..N-1 and again in the last N
     attn_scale: float = 0.12            # attention logit scale (instead of 1/sqrt(head_dim))
     rotary_base: float = 1024.0         # rotary frequencies (1/base)^linspace(0, 1)
-    logit_softcap: float = 15.0         # logits = 2*cap*sigmoid(z/(cap/2)) = 30*sigmoid(z/7.5)
+    logit_softcap: float = 15.0         # logits = 2*cap*sigmoid(z/(cap/2)): 30*sigmoid(z/7.5) at 15
     attn_block_size: int = 128          # FlexAttention block; windows are whole blocks
     window_pattern: str = "LSSSLSSLSSSL"  # per block: L long window, S short window (= long/2)
     window_growth_tokens: int = 1728    # long window: this x training progress, rounded up to whole blocks (>= 1)
@@ -121,7 +121,7 @@ class Hyperparameters:
     adam_beta1: float = 0.8             # Adam first-moment decay
     adam_beta2: float = 0.95            # Adam second-moment decay
     adam_eps: float = 1e-10             # Adam epsilon
-    embed_lr_mult: float = 75.0         # embeddings train at adam_lr * 75
+    embed_lr_mult: float = 75.0         # embeddings train at adam_lr * this
     head_lr_mult: float = 1.0           # lm_head trains at adam_lr * this
     scalar_lr_mult: float = 5.0         # scalar parameters train at adam_lr * this
     adam_shard_min_numel: int = 65536   # Adam matrices this big are row-sharded; the rest: one all-reduced fp32 vector
@@ -2445,8 +2445,15 @@ def resolve_data_files(args):
 
 def data_shortfall(files, args):
     """A warning if the training shards cannot last num_iterations steps (None if they can).
-    Windows skip the tails of documents, so the need is a lower bound."""
-    have = sum(read_shard_header(f) for f in files)
+    Windows skip the tails of documents, so the need is a lower bound. A DataError if no shard
+    has room for one step (the loader's rule): nothing would train, after minutes of compiling."""
+    sizes = [read_shard_header(f) for f in files]
+    room = 2 * args.micro_batches * args.train_seq_len + 1  # TrainBatches._room_for_a_step at a shard's start
+    if max(sizes) <= room:
+        raise DataError(f"{files[sizes.index(max(sizes))]}: the largest training shard holds {max(sizes):,} tokens, "
+                        f"but a step of micro_batches x train_seq_len = {args.micro_batches} x {args.train_seq_len} "
+                        f"needs a shard of more than {room:,} (2 x {args.micro_batches} x {args.train_seq_len} + 1)")
+    have = sum(sizes)
     need = args.num_iterations * args.micro_batches * args.train_seq_len
     if have >= need:
         return None
@@ -2830,7 +2837,8 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
             synchronize(hw)
             t0 = time.perf_counter()
             stop.until_text = ("stops after this step" if ranks.world_size == 1 else
-                               f"stops at its next check, within {args.check_every} steps")
+                               f"stops at its next check, within {args.check_every} step"
+                               + "s" * (args.check_every > 1))
             stop.phase = "loop"  # from here on a signal ends the run at the next check, on every rank
             checked_step = None  # warmup and the restore came after check(0): check again
             while True:
@@ -3251,6 +3259,9 @@ def main(argv=None, environ=None):
         args = parse_config(argv, environ, ranks.world_size)
         cli = command_line_options(argv)[0]  # parse_config accepted it
         from_environment = set_by_environment(cli, environ)
+        sample_only = sorted({"max_new_tokens", "temperature", "top_k"} & (set(cli) | from_environment))
+        if sample_only and not args.sample:  # a training run would ignore them in silence
+            raise ConfigError(f"--{sample_only[0]}: only --sample reads it (--sample CHECKPOINT --{sample_only[0]} ...)")
         if args.sample:
             return sample_main(args, set(cli) | from_environment)
         if ranks.is_master:  # the only rank that writes there

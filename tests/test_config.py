@@ -205,6 +205,8 @@ def test_malformed_torchrun_variables(capsys, environ, needle):
     ([], {"SAMPLE": "nowhere.pt"}, "SAMPLE='nowhere.pt': no such file"),
     (["--sample", "nowhere.pt"], {"SAMPLE": "other.pt"}, "--sample='nowhere.pt': no such file"),
     ([], {"PROMPT": "Hi"}, "PROMPT: only --sample reads it"),
+    (["--top_k", "5"], {}, "--top_k: only --sample reads it (--sample CHECKPOINT --top_k ...)"),  # was ignored
+    ([], {"TEMPERATURE": "0.5"}, "TEMPERATURE: only --sample reads it"),
     ([], {"SAMPLE": "a.pt", "RESUME": "b.pt"}, "SAMPLE and RESUME: choose one"),
     (["--resume=b.pt"], {"SAMPLE": "a.pt"}, "SAMPLE and --resume: choose one"),
     (["--prompt=--sample"], {"SAMPLE": "a.pt"}, "SAMPLE='a.pt': no such file"),  # '--sample' is the prompt

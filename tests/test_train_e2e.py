@@ -180,6 +180,20 @@ def test_running_out_of_data_stops_cleanly(tmp_path, make_shards):
     assert PEAK.search(text.splitlines()[-1])
 
 
+def test_shards_too_small_for_one_step_are_refused_before_anything_starts(tmp_path, make_shards):
+    """No shard holds one step's windows (the loader's room rule): nothing could train, so the run
+    stops in one line before compiling, instead of warning and failing after."""
+    train_glob, val_glob, _ = make_shards(train_sizes=(200, 250))
+    log_dir = tmp_path / "records"
+    proc = run_script(tmp_path, *tiny_argv(train_files=train_glob, val_files=val_glob, log_dir=log_dir))
+    assert proc.returncode == 1
+    largest = train_glob.replace("*", "000002")
+    assert proc.stderr.strip() == (f"train_gpt.py: error: {largest}: the largest training shard holds 250 tokens, "
+                                   "but a step of micro_batches x train_seq_len = 1 x 128 needs a shard of more "
+                                   "than 257 (2 x 1 x 128 + 1)")
+    assert not log_dir.exists()
+
+
 def test_missing_data_fails_before_any_log_is_written(tmp_path):
     log_dir = tmp_path / "records"
     proc = run_script(tmp_path, *tiny_argv(train_files=str(tmp_path / "none_*.bin"), log_dir=log_dir))
