@@ -10,11 +10,15 @@
 # others), MASTER_ADDR and optionally MASTER_PORT (default 29500). A machine waits
 # DIST_TIMEOUT_S seconds (default 900) for the others to join, then gives up.
 # Run from anywhere: paths you pass are relative to your folder, as with `python train_gpt.py`
-# (the default data folders are this repository's, wherever you start from).
+# (the default data folders are this repository's, wherever you start from). PYTHON (default
+# python3) is the interpreter that runs torchrun and the trainer.
 set -euo pipefail
 trainer="$(CDPATH= cd -- "$(dirname -- "$0")" >/dev/null && pwd)/train_gpt.py"
 PYTHON=${PYTHON:-python3}
 fail() { echo "run.sh: $*" >&2; exit 2; }
+for arg in "$@"; do  # once, not once per process: this header (its variables), then the trainer's fields
+    case $arg in -h|--help) sed -n '2,/^set /s/^# \{0,1\}//p' "$0"; echo; exec "$PYTHON" "$trainer" "$@";; esac
+done
 for name in NPROC NNODES NODE_RANK MASTER_PORT DIST_TIMEOUT_S; do
     case ${!name:-0} in ''|*[!0-9]*) fail "$name=${!name}: expected a non-negative integer";; esac
 done
