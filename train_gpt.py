@@ -21,6 +21,7 @@ import signal
 if __name__ == "__main__":  # Ctrl-C while the imports load (seconds, torch) ends the program quietly, as
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # any command, until main() watches signals itself
 
+import codecs
 import ctypes
 import dataclasses
 import datetime
@@ -226,12 +227,12 @@ class CheckpointMismatch(ConfigError):
     """A set field that the --resume or --sample checkpoint's configuration contradicts."""
 
 
-def say(text, file=None):
+def say(text, file=None, end="\n"):
     """print(), where a console that has gone (`| head`, or `| tee` that the same Ctrl-C ended) is
     no error: later output, and the flush at exit, go nowhere."""
     file = file or sys.stdout
     try:
-        print(text, file=file, flush=True)
+        print(text, file=file, end=end, flush=True)
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), file.fileno())
 
@@ -3158,9 +3159,10 @@ def gpt2_encoding():
 
 
 @torch.no_grad()
-def generate(model, args, prompt_tokens, max_new_tokens, temperature=0.8, top_k=50, seed=0):
+def generate(model, args, prompt_tokens, max_new_tokens, temperature=0.8, top_k=50, seed=0, on_token=None):
     """New tokens continuing the document BOS + prompt_tokens, until max_new_tokens or the model
-    ends the document (emits BOS). The same seed on the same device gives the same tokens."""
+    ends the document (emits BOS). The same seed on the same device gives the same tokens.
+    on_token(token), if given, is called with each new token as it is drawn."""
     device = next(model.parameters()).device
     window = torch.tensor(long_window_blocks_at(args.num_iterations, args), device=device)
     context = max(args.train_seq_len, args.val_seq_len)  # the rotary table's length
@@ -3180,6 +3182,8 @@ def generate(model, args, prompt_tokens, max_new_tokens, temperature=0.8, top_k=
         if token == BOS_TOKEN:
             break
         new.append(token)
+        if on_token is not None:
+            on_token(token)
         tokens = torch.cat([tokens, tokens.new_tensor([token])])
     return new
 
@@ -3232,15 +3236,31 @@ def sample_main(args, set_fields=()):
         encoding = gpt2_encoding()
     except ConfigError as e:
         raise ConfigError(f"--sample: {e}") from None
+    # Printed as drawn (a long sample takes minutes), whole characters only: a token may hold part of one
+    text = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    new = []
+
+    def show(token):
+        new.append(token)
+        say(text.decode(encoding.decode_single_token_bytes(token)), end="")
     started = time.perf_counter()
-    new = generate(model, trained, encoding.encode_ordinary(args.prompt), args.max_new_tokens, args.temperature,
-                   args.top_k, args.seed)
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler) if in_main_thread else None
+    try:
+        generate(model, trained, encoding.encode_ordinary(args.prompt), args.max_new_tokens, args.temperature,
+                 args.top_k, args.seed, on_token=show)
+        interrupted = False
+    except KeyboardInterrupt:  # Ctrl-C: what was drawn stays, and a line says how much
+        interrupted = True
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGINT, previous)
     seconds = time.perf_counter() - started
-    say(encoding.decode(new))
+    say(text.decode(b"", final=True))
     validated = "".join(f", val_loss {loss:.4f} at step {step}" for step, loss in checkpoint["val_losses"][-1:])
-    say(f"sampled {len(new)} tokens in {seconds:.1f}s on {device.type} from {args.sample} "
-        f"(step {checkpoint['step']}{validated})", sys.stderr)
-    return 0
+    say(f"{'interrupted (SIGINT) after' if interrupted else 'sampled'} {len(new)} tokens in {seconds:.1f}s on "
+        f"{device.type} from {args.sample} (step {checkpoint['step']}{validated})", sys.stderr)
+    return 128 + signal.SIGINT if interrupted else 0
 
 
 def main(argv=None, environ=None):

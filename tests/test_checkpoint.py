@@ -6,6 +6,7 @@ refused in one line, and sampling is deterministic for a seed and runs on an unt
 import io
 import os
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -603,3 +604,25 @@ def test_greedy_sampling_takes_the_training_models_most_likely_token(single):
             logits = model.head(model.trunk(torch.tensor(tokens), window))[-1, :train_gpt.BOS_TOKEN + 1]
         assert token == int(logits.argmax())
         tokens.append(token)
+
+
+def test_sampling_prints_each_token_as_drawn_and_keeps_them_on_ctrl_c(single, capsys, monkeypatch):
+    """A long sample took minutes with nothing shown, and Ctrl-C threw it all away: the text now
+    comes token by token (whole characters), and Ctrl-C ends with what was drawn and one line."""
+    path = single["step3"]
+    whole = sample(capsys, path, "--prompt", "The", "--seed", "3")
+    drawn, generate = [], train_gpt.generate
+
+    def ctrl_c_after_5(*args, on_token, **kwargs):
+        def count(token):
+            on_token(token)
+            drawn.append(capsys.readouterr().out)  # printed at once, before the next token is drawn
+            if len(drawn) == 5:
+                raise KeyboardInterrupt
+        return generate(*args, on_token=count, **kwargs)
+    monkeypatch.setattr(train_gpt, "generate", ctrl_c_after_5)
+    assert train_gpt.main(["--sample", str(path), "--max_new_tokens", "12", "--prompt", "The", "--seed", "3"],
+                          {}) == 128 + signal.SIGINT
+    out, err = capsys.readouterr()
+    assert len(drawn) == 5 and whole.startswith("".join(drawn) + out.rstrip("\n")) and out.endswith("\n")
+    assert err.startswith(f"interrupted (SIGINT) after 5 tokens in ") and f"from {path} (step {N}" in err
