@@ -29,7 +29,8 @@ Each phase runs in its own process with its own time budget (--budget PHASE=SECO
 fails, crashes or runs out of time records its traceback or log tail in the report and the others
 still run; a check that fails inside a phase does not stop the phase's other checks. Timings are
 benchmark figures, not pass/fail criteria. --merge combines the report.json files of several
-commands (say, one per phase group on the GPU machine) into one report.
+commands (say, one per phase group on the GPU machine) into one report. Without a CUDA device only
+--cpu-smoke, --merge and --phases env run; other phases are refused before any work.
 """
 
 import argparse
@@ -53,6 +54,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAINER = os.path.join(REPO_ROOT, "train_gpt.py")
 PROFILER = os.path.join(REPO_ROOT, "bench", "profile_step.py")
 PHASES = ("env", "correct", "kernels", "train", "peer")
+CPU_PHASES = ("env",)                # what runs without a GPU (it records that there is none)
 # Seconds per phase on a GPU: env+correct+kernels, train, and peer each fit one 10-minute command.
 BUDGET_S = {"env": 40, "correct": 250, "kernels": 240, "train": 530, "peer": 530}
 SMOKE_BUDGET_S = {"env": 60, "correct": 120, "kernels": 120, "train": 180, "peer": 60}
@@ -160,6 +162,11 @@ def parse_args(argv):
             p.error(f"--budget={item!r}: expected PHASE=SECONDS with PHASE one of {','.join(PHASES)}")
         budgets[name] = float(value)
     opts.budgets = budgets
+    gpu_phases = [x for x in opts.phases if x not in CPU_PHASES]
+    # Each GPU phase would otherwise spend its whole budget failing, minutes in all.
+    if gpu_phases and not opts.cpu_smoke and not cuda_visible():
+        p.error(f"needs a CUDA GPU for the {','.join(gpu_phases)} phase{'s' * (len(gpu_phases) > 1)} and none is "
+                "visible; --cpu-smoke runs every phase at tiny sizes on CPU, --phases env needs no GPU")
     if opts.ns_methods is not None:
         opts.ns_methods = [x.strip() for x in opts.ns_methods.split(",") if x.strip()]
         known = trainer_ns_methods()
@@ -245,6 +252,14 @@ def trainer_config_error(flags, cpu_smoke):
     if done.returncode != 0:
         return f"train_gpt.py did not load: {(done.stderr.strip().splitlines() or ['?'])[-1]}"
     return done.stdout.strip() or None
+
+
+def cuda_visible():
+    """Whether torch sees a CUDA device, asked in a child process: torch is slow to load here, and
+    the phases' processes, not this one, are to hold the GPU."""
+    done = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.is_available())"],
+                          capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
+    return done.stdout.strip() == "True"
 
 
 def trainer_ns_methods():
@@ -597,7 +612,7 @@ def phase_env(rec, ctx):
     if ctx["cpu_smoke"] or not torch.cuda.is_available():
         rec.value("device", "cpu")
         if not ctx["cpu_smoke"]:
-            rec.note("no CUDA device: the GPU phases will fail or skip")
+            rec.note("no CUDA device: the other phases need one (or --cpu-smoke)")
         return
     props = torch.cuda.get_device_properties(0)
     rec.value("device", props.name)

@@ -251,6 +251,29 @@ def test_bad_arguments_fail_in_one_line_before_any_work(tmp_path, args, message)
     assert not out.exists()
 
 
+@pytest.mark.parametrize("phases", [["--phases", "env,correct"], ["--phases", "train"], []])
+def test_gpu_phases_without_a_gpu_are_refused_in_one_line_before_any_work(tmp_path, phases):
+    """The suite hides the GPUs: a GPU phase without --cpu-smoke would spend its budget failing."""
+    out = tmp_path / "out"
+    result = run("--out", str(out), *phases, timeout=120)
+    gpu_phases = phases[1].removeprefix("env,") if phases else "correct,kernels,train,peer"
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == (f"gpu_proof.py: error: needs a CUDA GPU for the {gpu_phases} phase"
+                             f"{'s' * (',' in gpu_phases)} and none is visible; --cpu-smoke runs every phase at "
+                             "tiny sizes on CPU, --phases env needs no GPU\n")
+    assert not out.exists()
+
+
+def test_env_phase_runs_without_a_gpu(tmp_path):
+    """env records the machine, a CPU one too: it is the one phase that runs without --cpu-smoke."""
+    out = tmp_path / "out"
+    result = run("--out", str(out), "--phases", "env", timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    env = json.loads((out / "report.json").read_text())["phases"]["env"]
+    assert env["status"] == "ok" and env["values"]["device"] == "cpu"
+    assert env["notes"] == ["no CUDA device: the other phases need one (or --cpu-smoke)"]
+
+
 def test_variants_split_at_flags_so_ns_coeffs_keep_their_semicolons(tmp_path):
     coeffs = "3.4445,-4.775,2.0315;3,-3,1"
     opts = gpu_proof.parse_args(["--cpu-smoke", "--out", str(tmp_path / "out"), "--phases", "train",
