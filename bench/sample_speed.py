@@ -37,7 +37,8 @@ def main():
     try:
         checkpoint = train_gpt.read_checkpoint(options.checkpoint, "checkpoint")
     except train_gpt.ConfigError as e:  # no such file, or not a checkpoint: the message names it
-        parser.error(str(e))
+        # as an option (--checkpoint=...); here it is the positional argument, named as argparse names it
+        parser.error(str(e).replace(f"--checkpoint={options.checkpoint!r}", f"checkpoint {options.checkpoint!r}", 1))
     args = train_gpt.Hyperparameters(**checkpoint["config"])
     hw = train_gpt.Hardware(torch.device("cpu"), torch.float32, "sdpa", False, "torch", "gloo")
     model = train_gpt.GPT(args, hw).eval()

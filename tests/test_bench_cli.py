@@ -14,9 +14,14 @@ def bench(script, *args):
 
 
 def test_sample_speed_names_a_missing_checkpoint_in_one_line(tmp_path):
+    """The checkpoint is a positional argument: the message names it as such, not as an --option."""
     done = bench("sample_speed.py", str(tmp_path / "nonexist.pt"))
     assert done.returncode == 2
-    assert done.stderr == f"sample_speed.py: error: --checkpoint='{tmp_path / 'nonexist.pt'}': no such file\n"
+    assert done.stderr == f"sample_speed.py: error: checkpoint '{tmp_path / 'nonexist.pt'}': no such file\n"
+    (tmp_path / "notes.pt").write_text("not a checkpoint")
+    done = bench("sample_speed.py", str(tmp_path / "notes.pt"))
+    assert (done.returncode, done.stderr) == (2, f"sample_speed.py: error: checkpoint '{tmp_path / 'notes.pt'}': "
+                                                 "not a checkpoint written by train_gpt.py (not a torch.save file)\n")
 
 
 def test_ns_loss_names_a_bad_trainer_option_in_one_line_before_any_run():
