@@ -81,6 +81,10 @@ _CODE_RE = re.compile(r"^(import|from|def|class) ")
 IGNORED_CONFIG = frozenset({"run_name", "seed", "log_dir", "train_files", "val_files", "save_checkpoint",
                             "checkpoint_every", "dist_timeout_s", "sample", "prompt", "max_new_tokens",
                             "temperature", "top_k", "resume"})  # a resumed run is warned about on its own
+# Header values the trainer computes from the settings and world_size (train_gpt.py log_header):
+# where they differ, so does a setting that is listed already, or the code (warned about on its
+# own). The effective_* values depend on the machine as well and are compared.
+DERIVED_CONFIG = frozenset({"parameters", "optimizer_state_bytes_per_rank", "grad_accum_steps"})
 
 
 class FolderError(Exception):
@@ -456,10 +460,10 @@ def runs_count(n: int) -> str:
 
 
 def config_differences(runs: list[RunLog]) -> str:
-    """The header settings (other than names, seeds and paths) whose values differ among runs that
-    state a configuration, e.g. "muon_lr (0.05: 3 runs, 0.04: 1 run)"; "" if none."""
+    """The header settings (other than names, seeds, paths and values derived from the others) whose
+    values differ among runs that state a configuration, e.g. "muon_lr (0.05: 3 runs, 0.04: 1 run)"; "" if none."""
     configs = [r.config for r in runs if r.config]
-    keys = sorted({key for config in configs for key in config} - IGNORED_CONFIG)
+    keys = sorted({key for config in configs for key in config} - IGNORED_CONFIG - DERIVED_CONFIG)
     parts = []
     for key in keys:
         counts = Counter(config.get(key, "(absent)") for config in configs).most_common()
@@ -522,7 +526,7 @@ def baseline_warnings(runs: RecordFolder, baseline: RecordFolder) -> list[str]:
     runs_config = _majority_config(runs)
     baseline_config = _majority_config(baseline)
     if runs_config and baseline_config:
-        keys = sorted((runs_config.keys() | baseline_config.keys()) - IGNORED_CONFIG)
+        keys = sorted((runs_config.keys() | baseline_config.keys()) - IGNORED_CONFIG - DERIVED_CONFIG)
         differing = [f"{key} ({runs_config.get(key, '(absent)')} vs {baseline_config.get(key, '(absent)')})"
                      for key in keys if runs_config.get(key) != baseline_config.get(key)]
         if differing:
@@ -893,6 +897,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.target is not None and not math.isfinite(args.target):
         parser.error(f"--target={args.target}: expected a finite loss")
+    if args.out is not None:   # refused before the table, unlike a folder that refuses the write
+        existing = Path(args.out)
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        if not existing.is_dir():
+            parser.error(f"--out={args.out}: " + ("not a folder" if existing == Path(args.out)
+                                                    else f"{existing} is not a folder"))
     try:
         runs = _load_usable(args.runs_dir)
         baseline = None

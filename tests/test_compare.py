@@ -496,11 +496,43 @@ def test_a_folder_that_cannot_take_the_results_still_gets_the_figures_printed(go
     assert sorted(p.name for p in good_runs.iterdir() if not p.name.endswith(".txt")) == ["statistics.md"]
 
 
+def test_an_out_that_is_a_file_is_refused_before_the_table(good_runs, tmp_path, capsys):
+    """A file where --out names a folder is a typo, not a folder that refuses the write: one line
+    naming --out, before the table is printed, and the file is left as it was."""
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    for out, problem in ((afile, "not a folder"), (afile / "sub", f"{afile} is not a folder")):
+        with pytest.raises(SystemExit) as exit_:
+            compare.main([str(good_runs), "--out", str(out)])
+        assert exit_.value.code == 2
+        assert capsys.readouterr() == ("", f"compare.py: error: --out={out}: {problem}\n")
+    assert afile.read_text() == "mine"
+    assert not (good_runs / "statistics.md").exists()
+
+
 def test_main_fails_on_missing_baseline_and_self_comparison(good_runs, tmp_path, capsys):
     assert compare.main([str(good_runs), str(tmp_path / "nope")]) == 1
     assert capsys.readouterr().err.strip() == f"compare.py: error: {tmp_path / 'nope'}: no such folder"
     assert compare.main([str(good_runs), str(good_runs)]) == 1
     assert "the baseline is the runs folder itself" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(shutil.which("git") is None or not (REPO / ".git").exists(), reason="needs the git checkout")
+def test_what_compare_writes_beside_ignored_logs_is_ignored_too():
+    """Logs are git-ignored so that local experiments do not pile up (a submission adds its files
+    with git add -f); the statistics.md and plot made from them would otherwise leave each local
+    run folder untracked in git status. Committed files (the GPU proofs, the A/B reports) stay
+    outside the patterns."""
+    def ignored(paths):
+        done = subprocess.run(["git", "check-ignore", "--no-index", "--stdin"], input="\n".join(paths),
+                              capture_output=True, text=True, cwd=REPO)
+        return done.stdout.split()
+    generated = [f"records/2026-01-01_myidea/{name}" for name in
+                 ("statistics.md", "val_loss_vs_time.png", "0f6c2b1e-7a3d-4c55-9b1a-2d8e4f0a9c31.txt")]
+    assert ignored(generated) == generated
+    assert ignored(["records/2026-01-01_myidea/README.md", "records/compare.py", "records/README.md"]) == []
+    committed = subprocess.run(["git", "ls-files", "records"], capture_output=True, text=True, cwd=REPO).stdout.split()
+    assert committed and ignored(committed) == []
 
 
 def test_cli_subprocess(good_runs, tmp_path):
@@ -688,6 +720,29 @@ def test_mixed_configurations_in_a_folder_are_warned_about(tmp_path):
     assert "muon_lr (0.05: 2 runs, 0.04: 1 run)" in warning
     for ignored in ("seed", "run_name", "log_dir"):
         assert ignored not in warning.split("configuration:")[1]
+
+
+def test_values_derived_from_the_configuration_are_no_difference_of_their_own(tmp_path):
+    """The trainer's header ends with what it computed from the settings (parameters, optimizer
+    state, accumulation steps): a changed setting changes them too, but only the setting is listed."""
+    derived = dict(parameters=123_456_789, optimizer_state_bytes_per_rank=1_000, grad_accum_steps=1)
+    folder = tmp_path / "runs"
+    write_logs(folder, [with_settings(make_log(3.2771), normuon=False, **derived),
+                        with_settings(make_log(3.2781), normuon=False, **derived),
+                        with_settings(make_log(3.2791), normuon=True, **dict(
+                            derived, optimizer_state_bytes_per_rank=2_000, grad_accum_steps=2, parameters=1))])
+    [warning] = [w for w in compare.load_folder(folder).warnings if "configuration" in w]
+    assert warning == ("runs: the runs differ in configuration: normuon (False: 2 runs, True: 1 run); kept, but "
+                       "their statistics mix configurations")
+    runs_dir, base_dir = tmp_path / "same", tmp_path / "base"
+    write_logs(runs_dir, [with_settings(make_log(l, t), num_layers=11, seed=i, **derived)
+                          for i, (l, t) in enumerate(zip(LOSSES, TIMES))])
+    write_logs(base_dir, [with_settings(make_log(l, t, run_name="baseline"), num_layers=12,
+                                        **dict(derived, parameters=130_000_000, optimizer_state_bytes_per_rank=1_100))
+                          for l, t in zip(BASE_LOSSES, BASE_TIMES)])
+    found = compare.baseline_warnings(compare.load_folder(runs_dir), compare.load_folder(base_dir))
+    [warning] = [w for w in found if "configuration" in w]
+    assert warning.startswith("configuration differs between runs and baseline: num_layers (11 vs 12); ")
 
 
 def test_same_configuration_gives_no_warning(tmp_path):
