@@ -341,7 +341,7 @@ def parse_config(argv, environ, world_size=1, cuda_available=None):
         if not help_requested:
             try:
                 if resumed is not None and not args.sample:  # with both, "choose one" is the mistake
-                    check_resumable(resumed, resume_path, args)
+                    check_resumable(resumed, resume_path, args, from_environment)
                 check_against_checkpoint(args, set_fields)
             except CheckpointMismatch:
                 raise
@@ -358,7 +358,7 @@ def parse_config(argv, environ, world_size=1, cuda_available=None):
     if unreadable is not None:
         raise unreadable
     if resumed is not None:  # a checkpoint of another configuration is refused before anything starts
-        check_resumable(resumed, resume_path, args)
+        check_resumable(resumed, resume_path, args, from_environment)
     return args
 
 
@@ -3062,16 +3062,18 @@ def read_checkpoint(path, option, args=None):
     return checkpoint
 
 
-def check_resumable(checkpoint, path, args):
+def check_resumable(checkpoint, path, args, from_environment=frozenset()):
     """Refuse to resume a checkpoint trained with another configuration (naming every field that
-    differs) or one that has nothing left to train."""
+    differs, and the variable where the environment set it: run.sh sets MICRO_BATCHES on CPU) or
+    one that has nothing left to train."""
     here = dataclasses.asdict(args)
     saved = with_new_fields_at_default(checkpoint["config"])
     differ = [name for name in sorted((saved.keys() | here.keys()) - RESUME_FREE_FIELDS)
               if saved.get(name, "(absent)") != here.get(name, "(absent)")]
     if differ:
         raise CheckpointMismatch(f"--resume={path!r}: trained with a different configuration: " + ", ".join(
-            f"{n}={saved.get(n, '(absent)')!r} there, {here.get(n, '(absent)')!r} here" for n in differ))
+            f"{n}={saved.get(n, '(absent)')!r} there, {here.get(n, '(absent)')!r} here"
+            + (f" (set by {n.upper()} in the environment)" if n in from_environment else "") for n in differ))
     if checkpoint["step"] >= args.num_iterations:
         raise ConfigError(f"--resume={path!r}: saved at the run's last step ({checkpoint['step']}/"
                           f"{args.num_iterations}); nothing is left to train")

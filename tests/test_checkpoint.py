@@ -251,7 +251,7 @@ def test_a_resume_takes_the_fields_it_does_not_set_from_the_checkpoint(single, t
     assert (args.val_every, args.run_name, args.num_layers) == (1, "b", 4)
     assert train_gpt.main([f"--resume={path}", f"--log_dir={tmp_path}"], {"SEED": "5"}) == train_gpt.EXIT_CONFIG
     assert capsys.readouterr().err == (f"train_gpt.py: error: --resume={path!r}: trained with a different "
-                                       "configuration: seed=0 there, 5 here\n")
+                                       "configuration: seed=0 there, 5 here (set by SEED in the environment)\n")
     # the environment's RESUME is read as the option is; --help shows the values the run would take
     with pytest.raises(train_gpt.HelpRequested, match=r"--micro_batches=2 "):
         train_gpt.parse_config(["--help"], {"RESUME": path}, 1, False)
