@@ -16,9 +16,9 @@ set -euo pipefail
 trainer="$(CDPATH= cd -- "$(dirname -- "$0")" >/dev/null && pwd)/train_gpt.py"
 PYTHON=${PYTHON:-python3}
 fail() { echo "run.sh: $*" >&2; exit 2; }
-for arg in "$@"; do  # once, not once per process: this header (its variables), then the trainer's fields
-    case $arg in -h|--help) sed -n '2,/^set /s/^# \{0,1\}//p' "$0"; echo; exec "$PYTHON" "$trainer" "$@";; esac
-done
+help=0  # --help: this header (its variables), then the trainer's fields, once (not once per process)
+for arg in "$@"; do case $arg in -h|--help) help=1;; esac; done
+show_help() { sed -n '2,/^set /s/^# \{0,1\}//p' "$0"; echo; exec "$PYTHON" "$trainer" "$@"; }
 for name in NPROC NNODES NODE_RANK MASTER_PORT DIST_TIMEOUT_S; do
     case ${!name:-0} in ''|*[!0-9]*) fail "$name=${!name}: expected a non-negative integer";; esac
 done
@@ -31,6 +31,7 @@ import torch; print(torch.cuda.device_count())")
 if [ "$gpus" -eq 0 ]; then
     nproc=${nproc:-1}
     if [ "$nproc" -eq 1 ] && [ "$nnodes" -eq 1 ]; then
+        [ "$help" -eq 0 ] || show_help "$@"
         exec "$PYTHON" "$trainer" "$@"
     fi
     # The cpu preset takes one micro-batch per step, which cannot be split over processes.
@@ -43,6 +44,7 @@ elif [ -z "$nproc" ]; then
         echo "run.sh: $gpus GPUs found; using $nproc (the speedrun's 8 micro-batches need a divisor of 8)" >&2
     fi
 fi
+[ "$help" -eq 0 ] || show_help "$@"  # with the MICRO_BATCHES a launch here gives
 if [ "$nnodes" -eq 1 ]; then
     launch=(--standalone --nproc_per_node="$nproc")
     meeting="the $nproc processes did not meet on this machine"

@@ -337,6 +337,9 @@ def parse_config(argv, environ, world_size=1, cuda_available=None):
         args.checkpoint_every = 0
     try:
         check_config(args, world_size, cuda_available)
+        sample_only = sorted({"max_new_tokens", "temperature", "top_k"} & set_fields)
+        if sample_only and not args.sample:  # a training run would ignore them in silence
+            raise ConfigError(f"--{sample_only[0]}: only --sample reads it (--sample CHECKPOINT --{sample_only[0]} ...)")
     except ConfigError as e:
         if not help_requested:
             try:
@@ -2454,7 +2457,7 @@ def data_shortfall(files, args):
         raise DataError(f"{files[sizes.index(max(sizes))]}: the largest training shard holds {max(sizes):,} tokens, "
                         f"but a step of micro_batches x train_seq_len = {args.micro_batches} x {args.train_seq_len} "
                         f"needs a shard of more than {room:,} (2 x {args.micro_batches} x {args.train_seq_len} + 1)")
-    have = sum(sizes)
+    have = sum(size for size in sizes if size > room)  # the loader passes over the others
     need = args.num_iterations * args.micro_batches * args.train_seq_len
     if have >= need:
         return None
@@ -2465,18 +2468,20 @@ def data_shortfall(files, args):
 # -----------------------------------------------------------------------------------------------
 # 8. Training
 #
-# Set-up (data files checked, not yet read into the loader), then warmup steps that compile and
+# Set-up (data files checked, not yet read into the loader; model and optimizer state built, all
+# ranks agreeing that nothing failed), then warmup steps that compile and
 # exercise every kernel on random tokens (untimed); then model and optimizer are reset to their
 # initial state, so warmup cannot help the run. The clock runs during training steps, including
 # building the loader from the first shard; it stops for validation. Everything printed goes to
 # the console and to the run's log, in the public speedrun's line formats. A run that goes wrong
 # (a non-finite loss, SIGINT/SIGTERM, a log write that fails) stops at the next check, made every
-# check_every steps by all ranks together, and ends in one line; main() maps it to an exit code.
+# check_every steps, before a validation and before a periodic checkpoint by all ranks together,
+# and ends in one line; main() maps it to an exit code.
 
 class RunLog:
     """records/<YYYY-MM-DD>_<run_name>/<run_id>.txt, written by rank 0 only, never overwritten.
-    The file appears with the first line written (the header, after the data checks), so a run
-    that fails during set-up leaves none. A failed write (a full disk) is not raised here: it is
+    The file appears with the first line written (the header, after the data checks and the model's
+    build), so a run that fails during set-up leaves none. A failed write (a full disk) is not raised here: it is
     kept in `error`, later lines go to the console only, and the training loop ends the run at its
     next check, on every rank; what the file already holds stays as it is."""
 
@@ -2854,7 +2859,8 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
                 if validating:
                     synchronize(hw)
                     training_time_ms += 1000 * (time.perf_counter() - t0)
-                    # checked (untimed) before any validation: a diverged model's would cost 10M tokens to say less
+                    # checked before any validation (untimed where the step had no check of its own above):
+                    # a diverged model's validation would cost 10M tokens to say less
                     ending = check(step) if checked_step != step else None
                     if ending:
                         result.failure, result.exit_code = ending
@@ -2895,7 +2901,7 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
                     result.checkpoint_error = save_checkpoint(checkpoint_path, step, training_time_ms, args, ranks,
                                                               model, optimizer, batches, result, log)
                     saved_step = step if result.checkpoint_error is None else saved_step
-                    if ending:  # interrupted: written first, so the run goes on from this step
+                    if ending:  # a signal or a failed log write: written first, so a resume goes on from here
                         result.failure, result.exit_code = ending
                         break
                     t0 = time.perf_counter()
@@ -3243,19 +3249,19 @@ def sample_main(args, set_fields=()):
     new = []
 
     def show(token):
-        new.append(token)
         say(text.decode(encoding.decode_single_token_bytes(token)), end="")
+        new.append(token)  # after: a Ctrl-C between the two counts only what was shown
     started = time.perf_counter()
-    in_main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler) if in_main_thread else None
-    try:
+    in_main_thread, previous = threading.current_thread() is threading.main_thread(), None
+    try:  # Ctrl-C raises here (the script's SIG_DFL would end it silently, the text drawn unaccounted for)
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler) if in_main_thread else None
         generate(model, trained, encoding.encode_ordinary(args.prompt), args.max_new_tokens, args.temperature,
                  args.top_k, args.seed, on_token=show)
         interrupted = False
     except KeyboardInterrupt:  # Ctrl-C: what was drawn stays, and a line says how much
         interrupted = True
     finally:
-        if in_main_thread:
+        if previous is not None:
             signal.signal(signal.SIGINT, previous)
     seconds = time.perf_counter() - started
     say(text.decode(b"", final=True))
@@ -3281,9 +3287,6 @@ def main(argv=None, environ=None):
         args = parse_config(argv, environ, ranks.world_size)
         cli = command_line_options(argv)[0]  # parse_config accepted it
         from_environment = set_by_environment(cli, environ)
-        sample_only = sorted({"max_new_tokens", "temperature", "top_k"} & (set(cli) | from_environment))
-        if sample_only and not args.sample:  # a training run would ignore them in silence
-            raise ConfigError(f"--{sample_only[0]}: only --sample reads it (--sample CHECKPOINT --{sample_only[0]} ...)")
         if args.sample:
             return sample_main(args, set(cli) | from_environment)
         if ranks.is_master:  # the only rank that writes there

@@ -625,4 +625,29 @@ def test_sampling_prints_each_token_as_drawn_and_keeps_them_on_ctrl_c(single, ca
                           {}) == 128 + signal.SIGINT
     out, err = capsys.readouterr()
     assert len(drawn) == 5 and whole.startswith("".join(drawn) + out.rstrip("\n")) and out.endswith("\n")
+    assert sum(map(bool, drawn)) >= 3  # text came out token by token, not at the end
     assert err.startswith(f"interrupted (SIGINT) after 5 tokens in ") and f"from {path} (step {N}" in err
+
+
+def test_ctrl_c_while_the_script_samples_keeps_the_text(single, tmp_path):
+    """As a script, Ctrl-C takes its default action until a handler is installed (train_gpt.py's
+    first lines): --sample installs one, or a real Ctrl-C would end it silently."""
+    script = f"""
+import os, signal, sys
+sys.path.insert(0, {str(ROOT)!r})
+signal.signal(signal.SIGINT, signal.SIG_DFL)  # as `python3 train_gpt.py` starts
+import train_gpt
+generate = train_gpt.generate
+def ctrl_c_after_4(*args, on_token, **kwargs):
+    def count(token, drawn=[]):
+        on_token(token)
+        drawn.append(token)
+        if len(drawn) == 4:
+            os.kill(os.getpid(), signal.SIGINT)
+    return generate(*args, on_token=count, **kwargs)
+train_gpt.generate = ctrl_c_after_4
+sys.exit(train_gpt.main(["--sample", {str(single["step3"])!r}, "--max_new_tokens", "50", "--seed", "3"]))
+"""
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 128 + signal.SIGINT, done.stderr[-2000:]
+    assert done.stderr.startswith("interrupted (SIGINT) after 4 tokens in ") and done.stdout.endswith("\n")

@@ -85,6 +85,8 @@ BAD = [
     (["--weight_decay", "-inf"], {}, 1, "--weight_decay=-inf: must be a finite number"),
     (["--check_every", "0"], {}, 1, "--check_every=0: must be positive"),
     (["--adam_eps", "0"], {}, 1, "--adam_eps=0.0: must be positive"),  # a row no token has reached: 0/0
+    # in parse_config, which bench/ab.py and gpu_proof.py ask before their first run
+    (["--temperature", "0.5"], {}, 1, "--temperature: only --sample reads it"),
     (["--ns_coeffs", "3,-4.7"], {}, 1, "--ns_coeffs='3,-4.7': expected finite a,b,c triples"),
     (["--ns_coeffs", "3,-4,2;x,1,1"], {}, 1, "--ns_coeffs"),
     (["--ns_coeffs", "3,-4,inf"], {}, 1, "--ns_coeffs"),

@@ -253,9 +253,9 @@ def test_a_signal_at_a_checkpoint_step_writes_that_checkpoint_first(tmp_path, ma
 
 
 def test_each_step_is_checked_once(tmp_path, make_shards):
-    """The checks of a run (step, weights too): check_every 4, a validation at 5 (checked first, off
-    the clock), a checkpoint at 4 (its check is the step's); none twice at one step but step 0,
-    checked before warmup (the log's header) and again after it."""
+    """The checks of a run (step, weights too): check_every 4, a validation at 5 (checked first), a
+    checkpoint at 4 (its check is the step's); none twice at one step but step 0, checked before
+    warmup (the log's header) and again after it."""
     train_glob, val_glob, _ = make_shards()
     argv = tiny_argv(train_files=train_glob, val_files=val_glob, log_dir=tmp_path / "records", num_iterations=8,
                      val_every=5, check_every=4, save_checkpoint=True, checkpoint_every=4, warmup_steps=1)

@@ -267,7 +267,7 @@ def test_gpu_phases_without_a_gpu_are_refused_in_one_line_before_any_work(tmp_pa
 def test_env_phase_runs_without_a_gpu(tmp_path):
     """env records the machine, a CPU one too: it is the one phase that runs without --cpu-smoke."""
     out = tmp_path / "out"
-    result = run("--out", str(out), "--phases", "env", timeout=300)
+    result = run("--out", str(out), "--phases", "env", "--budget", "env=280", timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     env = json.loads((out / "report.json").read_text())["phases"]["env"]
     assert env["status"] == "ok" and env["values"]["device"] == "cpu"

@@ -47,13 +47,15 @@ def test_run_sh_reads_paths_relative_to_where_it_is_started(tmp_path):
 
 def test_run_sh_help_is_printed_once_with_its_own_variables(tmp_path):
     """NPROC=2 ./run.sh --help printed the trainer's help once per process (150 lines twice) and
-    nothing about run.sh's variables: now run.sh's header, then the trainer's fields, once."""
+    nothing about run.sh's variables: now run.sh's header, then the trainer's fields, once, with
+    the values the launch would give (run.sh sets MICRO_BATCHES to the processes on CPU)."""
     env = dict(os.environ, PYTHON=sys.executable, NPROC="2", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run([str(ROOT / "run.sh"), "--num_iterations", "5", "--help"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr[-2000:]
     assert proc.stdout.startswith("Train with every GPU this machine has")
     assert proc.stdout.count("usage: train_gpt.py") == 1 and "--num_iterations=5" in proc.stdout
+    assert "--micro_batches=2 " in proc.stdout
     for variable in ("NPROC", "NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "DIST_TIMEOUT_S", "PYTHON"):
         assert variable in proc.stdout.split("usage:")[0], variable
     assert list(tmp_path.iterdir()) == []
