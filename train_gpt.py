@@ -22,6 +22,7 @@ if __name__ == "__main__":  # Ctrl-C while the imports load (seconds, torch) end
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # any command, until main() watches signals itself
 
 import codecs
+import contextlib
 import ctypes
 import dataclasses
 import datetime
@@ -672,6 +673,19 @@ def die_with_the_launcher(environ):
             pass
 
 
+@contextlib.contextmanager
+def signals_handled_by(handler, signums):
+    """signums go to handler meanwhile, then back to what they were (main thread only: Python
+    sets handlers nowhere else)."""
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    before = {signum: signal.signal(signum, handler) for signum in signums} if in_main_thread else {}
+    try:
+        yield
+    finally:
+        for signum, previous in before.items():
+            signal.signal(signum, previous)
+
+
 class RankMismatch(RuntimeError):
     """Ranks that cannot work together: absent, or running different code or configuration."""
 
@@ -688,22 +702,17 @@ def init_process_group(args, ranks, hw):
     # The wait for the others is one C++ call, in which Python's signal handlers cannot run until it
     # ends (after --dist_timeout_s): a signal then takes its default action at once. Nothing is
     # written yet, and torchrun would otherwise kill the process 30 s after its SIGTERM.
-    in_main_thread = threading.current_thread() is threading.main_thread()
-    handlers = {signum: signal.signal(signum, signal.SIG_DFL) for signum in (signal.SIGINT, signal.SIGTERM)
-                if in_main_thread}
     started = time.monotonic()
     try:
-        dist.init_process_group(hw.dist_backend, rank=ranks.rank, world_size=ranks.world_size, timeout=timeout,
-                                **kwargs)
+        with signals_handled_by(signal.SIG_DFL, (signal.SIGINT, signal.SIGTERM)):
+            dist.init_process_group(hw.dist_backend, rank=ranks.rank, world_size=ranks.world_size, timeout=timeout,
+                                    **kwargs)
     except (RuntimeError, ValueError) as e:  # DistError is a RuntimeError; ValueError: a bad MASTER_ADDR/PORT
         waited = time.monotonic() - started  # early: the store closed under this rank (its host stopped)
         when = (f" within --dist_timeout_s={args.dist_timeout_s}" if waited >= args.dist_timeout_s else
                 f": failed after {waited:.1f} s, before --dist_timeout_s={args.dist_timeout_s} ran out")
         raise RankMismatch(f"rank {ranks.rank}: could not join {ranks.world_size} ranks{when} "
                            f"({first_line(e)})") from None
-    finally:
-        for signum, handler in handlers.items():
-            signal.signal(signum, handler)
     check_ranks_agree(args, ranks, hw)
 
 
@@ -2291,6 +2300,12 @@ class LoadedShard:
         self.bos = torch.nonzero(self.tokens == BOS_TOKEN).flatten()
 
 
+def step_room(windows_per_step, seq_len):
+    """Tokens a shard must hold beyond a step's first position for the step to start there (the
+    record's margin: twice the step's windows)."""
+    return 2 * windows_per_step * seq_len + 1
+
+
 class TrainBatches:
     """BOS-aligned training windows, a step's worth from one shard, dealt out to ranks in global order."""
 
@@ -2334,7 +2349,7 @@ class TrainBatches:
         if position > 0:
             i = self._next_bos(position)
             position = int(shard.bos[i]) if i < len(shard.bos) else shard.tokens.numel()
-        return position + 2 * self.windows_per_step * self.seq_len + 1 < shard.tokens.numel()
+        return position + step_room(self.windows_per_step, self.seq_len) < shard.tokens.numel()
 
     def _next_window(self):
         """The next global window: seq_len + 1 tokens starting at a BOS, inside one shard."""
@@ -2452,7 +2467,7 @@ def data_shortfall(files, args):
     Windows skip the tails of documents, so the need is a lower bound. A DataError if no shard
     has room for one step (the loader's rule): nothing would train, after minutes of compiling."""
     sizes = [read_shard_header(f) for f in files]
-    room = 2 * args.micro_batches * args.train_seq_len + 1  # TrainBatches._room_for_a_step at a shard's start
+    room = step_room(args.micro_batches, args.train_seq_len)  # TrainBatches._room_for_a_step at a shard's start
     if max(sizes) <= room:
         raise DataError(f"{files[sizes.index(max(sizes))]}: the largest training shard holds {max(sizes):,} tokens, "
                         f"but a step of micro_batches x train_seq_len = {args.micro_batches} x {args.train_seq_len} "
@@ -3252,17 +3267,13 @@ def sample_main(args, set_fields=()):
         say(text.decode(encoding.decode_single_token_bytes(token)), end="")
         new.append(token)  # after: a Ctrl-C between the two counts only what was shown
     started = time.perf_counter()
-    in_main_thread, previous = threading.current_thread() is threading.main_thread(), None
     try:  # Ctrl-C raises here (the script's SIG_DFL would end it silently, the text drawn unaccounted for)
-        previous = signal.signal(signal.SIGINT, signal.default_int_handler) if in_main_thread else None
-        generate(model, trained, encoding.encode_ordinary(args.prompt), args.max_new_tokens, args.temperature,
-                 args.top_k, args.seed, on_token=show)
+        with signals_handled_by(signal.default_int_handler, (signal.SIGINT,)):
+            generate(model, trained, encoding.encode_ordinary(args.prompt), args.max_new_tokens, args.temperature,
+                     args.top_k, args.seed, on_token=show)
         interrupted = False
     except KeyboardInterrupt:  # Ctrl-C: what was drawn stays, and a line says how much
         interrupted = True
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGINT, previous)
     seconds = time.perf_counter() - started
     say(text.decode(b"", final=True))
     validated = "".join(f", val_loss {loss:.4f} at step {step}" for step, loss in checkpoint["val_losses"][-1:])

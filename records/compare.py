@@ -85,6 +85,7 @@ IGNORED_CONFIG = frozenset({"run_name", "seed", "log_dir", "train_files", "val_f
 # where they differ, so does a setting that is listed already, or the code (warned about on its
 # own). The effective_* values depend on the machine as well and are compared.
 DERIVED_CONFIG = frozenset({"parameters", "optimizer_state_bytes_per_rank", "grad_accum_steps"})
+NOT_COMPARED = IGNORED_CONFIG | DERIVED_CONFIG
 
 
 class FolderError(Exception):
@@ -463,7 +464,7 @@ def config_differences(runs: list[RunLog]) -> str:
     """The header settings (other than names, seeds, paths and values derived from the others) whose
     values differ among runs that state a configuration, e.g. "muon_lr (0.05: 3 runs, 0.04: 1 run)"; "" if none."""
     configs = [r.config for r in runs if r.config]
-    keys = sorted({key for config in configs for key in config} - IGNORED_CONFIG - DERIVED_CONFIG)
+    keys = sorted({key for config in configs for key in config} - NOT_COMPARED)
     parts = []
     for key in keys:
         counts = Counter(config.get(key, "(absent)") for config in configs).most_common()
@@ -526,7 +527,7 @@ def baseline_warnings(runs: RecordFolder, baseline: RecordFolder) -> list[str]:
     runs_config = _majority_config(runs)
     baseline_config = _majority_config(baseline)
     if runs_config and baseline_config:
-        keys = sorted((runs_config.keys() | baseline_config.keys()) - IGNORED_CONFIG - DERIVED_CONFIG)
+        keys = sorted((runs_config.keys() | baseline_config.keys()) - NOT_COMPARED)
         differing = [f"{key} ({runs_config.get(key, '(absent)')} vs {baseline_config.get(key, '(absent)')})"
                      for key in keys if runs_config.get(key) != baseline_config.get(key)]
         if differing:
