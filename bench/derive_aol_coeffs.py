@@ -34,7 +34,7 @@ each by the RMS of p(sigma) - 1 over all measured singular values (exactly what 
 to the spectrum, computed in fp64 on the scalars), and prints the best. That score is polar
 accuracy, which did not decide loss: train_gpt.AOL_COEFFS is derive_schedule(1e-3, 4,
 cap_final=True), the table that held level with Newton-Schulz in bench/ab.py's A/B, where the
-best-scoring derive_schedule(3.2e-3, 4) was worse (README, "Benchmarks").
+best-scoring derive_schedule(3.2e-3, 4) was worse (bench/README.md, "A/B of optimizer options").
 
 CLI:  python bench/derive_aol_coeffs.py --lower 1e-3 --steps 5
       python bench/derive_aol_coeffs.py --lower 1e-3 --steps 4 --cap-final     # train_gpt.AOL_COEFFS

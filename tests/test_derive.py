@@ -124,7 +124,7 @@ def test_committed_samples_are_captures_from_several_steps():
 
 
 def test_the_command_line_prints_the_shipped_aol_table():
-    """README's generator command, with --cap-final, prints train_gpt.AOL_COEFFS (valid Python)."""
+    """bench/README.md's generator command, with --cap-final, prints train_gpt.AOL_COEFFS (valid Python)."""
     import ast
     import subprocess
 

@@ -455,7 +455,7 @@ def test_merge_adds_a_later_run_with_other_main_flags_as_a_variant(tmp_path):
 
 
 def test_merge_keeps_the_main_runs_profile_beside_the_comparison(tmp_path):
-    """The README's second and third commands both profile their main run: the merged comparison
+    """bench/README.md's second and third commands both profile their main run: the merged comparison
     shows the first's (the preset's) profile, and the later one keeps its own table."""
     reports = [train_report("newton_schulz", 800.0, ""), train_report("newton_schulz", 830.0, "--compile_scope blocks")]
     for report, gemm in zip(reports, (300.0, 310.0)):
