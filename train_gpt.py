@@ -1821,7 +1821,7 @@ class Rotary(nn.Module):
         theta = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), freqs)
         # One element first, on one thread: a process's first vectorized cos or sin (MKL's VML in
         # the x86 wheels) split over threads can come out at low accuracy in a second thread's
-        # part (cos errors of 1.5e-4 at positions 512+ in about one process of three on a
+        # part (cos errors of 1.5e-4 at positions 512+ in 1 to 4 processes of 10 on a
         # 2-core Xeon), and runs of one command then differed.
         theta[:1, :1].cos()
         self.register_buffer("cos", theta.cos(), persistent=False)

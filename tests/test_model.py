@@ -138,7 +138,7 @@ print(max((rotary.cos - theta.cos()).abs().max().item(), (rotary.sin - theta.sin
 
 def test_rotary_tables_are_exact_in_every_process():
     """The cpu preset's tables in fresh processes, each making its first vectorized cos and sin
-    there: without the one-element call before them, about one process in three (2-core Xeon,
+    there: without the one-element call before them, 1 to 4 processes in 10 (2-core Xeon,
     torch 2.13.0+cpu) had cos errors of 1.5e-4 in the second thread's half of the table."""
     for _ in range(6):
         out = subprocess.run([sys.executable, "-c", ROTARY_TABLE_ERROR, str(ROOT)], capture_output=True,
