@@ -2554,8 +2554,7 @@ def shown_paths(paths):
 
 
 def log_header(log, args, ranks, hw, model, optimizer, data_note, data_files):
-    with open(__file__) as source:
-        log(source.read(), console=False)
+    log(source_code().decode(), console=False)
     log("=" * 100, console=False)
     log(f"Running Python {sys.version}", console=False)
     cuda = f"compiled for CUDA {torch.version.cuda}" if torch.version.cuda else "(CPU build)"
@@ -3011,9 +3010,16 @@ def checkpoint_path_of(log):
     return os.path.splitext(path)[0] + ".pt" if path else None
 
 
-def code_fingerprint():
+@functools.cache
+def source_code():
+    """This file as the process found it when it started (main() reads it first): the log, the
+    checkpoints and the ranks' agreement name the code that runs, not an edit made while it trains."""
     with open(__file__, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
+        return f.read()
+
+
+def code_fingerprint():
+    return hashlib.sha256(source_code()).hexdigest()
 
 
 def write_atomically(obj, path):
@@ -3290,6 +3296,7 @@ def sample_main(args, set_fields=()):
 def main(argv=None, environ=None):
     argv = sys.argv[1:] if argv is None else argv
     environ = os.environ if environ is None else environ
+    source_code()  # now: the next idea may be written into this file while the run trains
     # As in the record: the CUDA allocator grows segments instead of fragmenting over the run's
     # varying tensor sizes. Read when CUDA first initializes, so set before anything touches it.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")

@@ -421,6 +421,40 @@ def test_prompt_belongs_to_sample():
         train_gpt.parse_config(tiny_argv(sample="a.pt", resume="a.pt"), {}, 1, False)
 
 
+EDIT_WHILE_TRAINING = """
+import glob, hashlib, sys
+sys.path.insert(0, sys.argv[1])
+import train_gpt
+started_with = open(train_gpt.__file__, "rb").read()
+write_header = train_gpt.log_header
+
+def header_after_an_edit(*args, **kwargs):  # the user saves the next idea while the run trains
+    with open(train_gpt.__file__, "a") as f:
+        f.write("# saved while the run trained\\n")
+    return write_header(*args, **kwargs)
+train_gpt.log_header = header_after_an_edit
+assert train_gpt.main(sys.argv[2:-1]) == 0
+(log,) = glob.glob(sys.argv[-1] + "/*/*.txt")
+checkpoint = train_gpt.read_checkpoint(log[:-4] + ".pt", "resume")
+print("edit in log:", "# saved while the run trained" in open(log).read())
+print("checkpoint names the code that ran:", checkpoint["code_sha256"] == hashlib.sha256(started_with).hexdigest())
+"""
+
+
+def test_an_edit_while_the_run_trains_is_not_taken_for_its_code(data, tmp_path):
+    """The log's copy of the code and the checkpoint's code hash are of the file as the process
+    found it at start, not of an edit saved meanwhile (a resume would then not warn, and going
+    back to the code that trained would warn falsely)."""
+    shutil.copy(ROOT / "train_gpt.py", tmp_path / "train_gpt.py")
+    logs = tmp_path / "logs"
+    argv = tiny_argv(**data, num_iterations=2, val_every=0, save_checkpoint=True, log_dir=logs)
+    done = subprocess.run([sys.executable, "-c", EDIT_WHILE_TRAINING, str(tmp_path), *argv, str(logs)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "edit in log: False" in done.stdout
+    assert "checkpoint names the code that ran: True" in done.stdout
+
+
 def test_a_checkpoint_that_does_not_fit_the_code_is_refused(single):
     checkpoint = load(single["step3"])
     checkpoint["optimizer"]["tensors"].pop()  # as if the optimizer kept one tensor more now
