@@ -2467,10 +2467,17 @@ def resolve_data_files(args):
     return found[0], found[1], note
 
 
-def data_shortfall(files, args):
-    """A warning if the training shards cannot last num_iterations steps (None if they can).
-    Windows skip the tails of documents, so the need is a lower bound. A DataError if no shard
-    has room for one step (the loader's rule): nothing would train, after minutes of compiling."""
+def data_shortfall(files, args, without_bos=()):
+    """Warnings (lines) if some training shards hold no BOS token or the shards cannot last
+    num_iterations steps. Windows skip the tails of documents, so the need is a lower bound. A
+    DataError where nothing would train (after minutes of compiling): no shard has room for one
+    step (the loader's rule), or none holds a BOS, where every window starts."""
+    if len(without_bos) == len(files):
+        raise DataError(f"{files[0]}: no training shard holds a BOS token ({BOS_TOKEN}), and every training "
+                        "window starts at one: nothing would train (data/fineweb.py starts every document with it)")
+    warnings = [f"warning: {len(without_bos)} training shard(s) hold no BOS token ({BOS_TOKEN}) and are passed over, "
+                f"the first {without_bos[0]}"] if without_bos else []
+    files = [f for f in files if f not in without_bos]
     sizes = [read_shard_header(f) for f in files]
     room = step_room(args.micro_batches, args.train_seq_len)  # TrainBatches._room_for_a_step at a shard's start
     if max(sizes) <= room:
@@ -2479,10 +2486,11 @@ def data_shortfall(files, args):
                         f"needs a shard of more than {room:,} (2 x {args.micro_batches} x {args.train_seq_len} + 1)")
     have = sum(size for size in sizes if size > room)  # the loader passes over the others
     need = args.num_iterations * args.micro_batches * args.train_seq_len
-    if have >= need:
-        return None
-    return (f"warning: the {len(files)} training shard(s) hold {have:,} tokens but {args.num_iterations} steps need at "
-            f"least {need:,}; training will stop early (`python data/cached_fineweb10B.py N` downloads more)")
+    if have < need:
+        warnings.append(f"warning: the {len(files)} training shard(s) hold {have:,} tokens but {args.num_iterations} "
+                        f"steps need at least {need:,}; training will stop early (`python data/cached_fineweb10B.py N` "
+                        "downloads more)")
+    return warnings
 
 
 # -----------------------------------------------------------------------------------------------
@@ -2706,11 +2714,11 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
             checkpoint = read_checkpoint(args.resume, "resume", args)
         train_files, val_files, data_note = resolve_data_files(args)
         val_tokens = load_val_tokens(val_files, args.val_tokens, pin)
-        for path in train_files:  # every token now: a bad shard late in the list would end a run hours in
-            read_shard_tokens(path)
+        # every token now: a bad shard late in the list would end a run hours in
+        without_bos = [path for path in train_files if not (read_shard_tokens(path) == BOS_TOKEN).any()]
         if checkpoint is not None and checkpoint["loader"] is not None:  # now, not after compiling
             TrainBatches.check_position(checkpoint["loader"], train_files)
-        shortfall = data_shortfall(train_files, args)
+        shortfall = data_shortfall(train_files, args, without_bos)
         model = GPT(args, hw).to(hw.device)  # here: out of memory on one rank ends every rank
         optimizer = ShardedMuonAdam(param_specs(model, args), args, ranks, hw, collectives)
     except Exception as e:  # any failure (out of memory too): every rank must reach the agreement
@@ -2742,8 +2750,8 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
                     for blocks in {long_window_blocks_at(s, args) for s in range(args.num_iterations + 1)}}
 
     log_header(log, args, ranks, hw, model, optimizer, data_note, (train_files, val_files))
-    if shortfall:
-        log(shortfall)
+    for warning in shortfall:
+        log(warning)
     result = TrainResult()
     N = args.num_iterations
     step_losses = []

@@ -194,6 +194,42 @@ def test_shards_too_small_for_one_step_are_refused_before_anything_starts(tmp_pa
     assert not log_dir.exists()
 
 
+def without_bos(path):
+    """The shard at path rewritten with its BOS tokens replaced: text with no document starts."""
+    from shards import write_shard
+    tokens = train_gpt.read_shard_tokens(path).astype("int64")
+    tokens[tokens == train_gpt.BOS_TOKEN] = 13
+    write_shard(path, tokens)
+
+
+def test_training_shards_without_a_bos_token_are_refused_before_anything_starts(tmp_path, make_shards):
+    """Every training window starts at a BOS: shards that hold none pass the header and token
+    checks but could train nothing; the run used to compile, then stop with "data ran out"."""
+    train_glob, val_glob, _ = make_shards(train_sizes=(40_000, 40_000))
+    shards = sorted(Path(train_glob).parent.glob(Path(train_glob).name))
+    for shard in shards:
+        without_bos(shard)
+    log_dir = tmp_path / "records"
+    proc = run_script(tmp_path, *tiny_argv(train_files=train_glob, val_files=val_glob, log_dir=log_dir))
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == (f"train_gpt.py: error: {shards[0]}: no training shard holds a BOS token (50256), "
+                                   "and every training window starts at one: nothing would train (data/fineweb.py "
+                                   "starts every document with it)")
+    assert not log_dir.exists()
+
+
+def test_a_training_shard_without_a_bos_token_is_named_and_passed_over(tmp_path, make_shards):
+    train_glob, val_glob, (trains, _) = make_shards(train_sizes=(40_000, 40_000))
+    first = sorted(Path(train_glob).parent.glob(Path(train_glob).name))[0]
+    without_bos(first)
+    log_dir = tmp_path / "records"
+    proc = run_script(tmp_path, *tiny_argv(train_files=train_glob, val_files=val_glob, log_dir=log_dir))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    text = next(log_dir.glob("*/*.txt")).read_text()
+    assert f"warning: 1 training shard(s) hold no BOS token (50256) and are passed over, the first {first}" in text
+    assert not re.search(r"^warning: the ", text, re.M)  # no shortfall: the other shard holds the run's 4 steps
+
+
 def test_missing_data_fails_before_any_log_is_written(tmp_path):
     log_dir = tmp_path / "records"
     proc = run_script(tmp_path, *tiny_argv(train_files=str(tmp_path / "none_*.bin"), log_dir=log_dir))
