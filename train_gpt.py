@@ -2876,7 +2876,8 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
             checked_step = None  # warmup and the restore came after check(0): check again
             while True:
                 last_step = step == N or result.stopped_early is not None
-                validating = last_step or (args.val_every > 0 and step % args.val_every == 0)
+                validating = ((last_step or (args.val_every > 0 and step % args.val_every == 0))
+                              and not (result.val_losses and result.val_losses[-1][0] == step))  # (data ran out)
                 if ((last_step or step % args.check_every == 0) and checked_step != step
                         or (ranks.world_size == 1 and stop.signum)):
                     ending = check(step)

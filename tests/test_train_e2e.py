@@ -180,6 +180,20 @@ def test_running_out_of_data_stops_cleanly(tmp_path, make_shards):
     assert PEAK.search(text.splitlines()[-1])
 
 
+def test_data_running_out_at_a_validation_step_validates_it_once(tmp_path, make_shards):
+    """Every step validates, so the data runs out at one that has just been validated: the run
+    stops there without validating it again (on the speedrun, 10M tokens and a second log line)."""
+    train_glob, val_glob, _ = make_shards(train_sizes=(1_000,))
+    log_dir = tmp_path / "records"
+    proc = run_script(tmp_path, *tiny_argv(train_files=train_glob, val_files=val_glob, log_dir=log_dir,
+                                           num_iterations=50, val_every=1))
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    text = next(log_dir.glob("*/*.txt")).read_text()
+    validated = [int(STEP_VAL.match(line).group(1)) for line in text.splitlines() if STEP_VAL.match(line)]
+    stopped = int(re.search(r"^stopping early at step (\d+)/50", text, re.M).group(1))
+    assert validated == list(range(stopped + 1))  # each step once, the last where the data ran out
+
+
 def test_shards_too_small_for_one_step_are_refused_before_anything_starts(tmp_path, make_shards):
     """No shard holds one step's windows (the loader's room rule): nothing could train, so the run
     stops in one line before compiling, instead of warning and failing after."""
