@@ -148,7 +148,7 @@ class Hyperparameters:
     warmup_steps: int = 10              # untimed compile/kernel warmup steps, then state reset
     check_every: int = 10               # steps between checks for a non-finite loss or a stop signal (one host-GPU sync)
     device: str = "auto"                # auto, cuda or cpu
-    threads: int = 0                    # CPU threads per process (0: cores / local processes); orders sums
+    threads: int = 0                    # CPU threads per process (0: usable cores / local processes); orders sums
     dist_timeout_s: int = 900           # a dead rank raises after this long instead of hanging
     # checkpoints and sampling (section 9)
     save_checkpoint: bool = False       # write <run_id>.pt beside the log at the end of training
@@ -570,6 +570,14 @@ def check_config(args, world_size, cuda_available):
 # small branches on hw.device.type: threads, peak memory, pinned memory, RNG state,
 # synchronization). Ranks come from torchrun's environment; without torchrun the script is a
 # single process and creates no process group.
+
+def usable_cpus():
+    """The CPUs this process may run on (taskset, Slurm, a container's cpuset), not the host's count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS has no affinity call
+        return os.cpu_count() or 1
+
 
 @dataclass
 class Hardware:
@@ -2580,6 +2588,8 @@ def log_header(log, args, ranks, hw, model, optimizer, data_note, data_files):
                      effective_ns_backend=hw.ns_backend, grad_accum_steps=args.micro_batches // ranks.world_size,
                      parameters=sum(p.numel() for p in model.parameters()),
                      optimizer_state_bytes_per_rank=optimizer.state_bytes())
+    if hw.device.type == "cpu":  # the thread count orders the CPU's sums: runs compare only at one count
+        effective["effective_threads"] = torch.get_num_threads()
     for key, value in effective.items():
         log(f"{key}={value}", console=False)
     log("=" * 100, console=False)
@@ -3338,7 +3348,7 @@ def main(argv=None, environ=None):
         say(str(e))
         return 0
     if hw.device.type == "cpu":
-        torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // ranks.local_world_size))
+        torch.set_num_threads(args.threads or max(1, usable_cpus() // ranks.local_world_size))
         keep_freed_memory_on_cpu()
     if ranks.is_master and from_environment:  # a variable left in the shell changes the run: say so
         say("set by the environment: " + ", ".join(f"{name.upper()}={environ[name.upper()]}"

@@ -244,6 +244,22 @@ def test_a_training_shard_without_a_bos_token_is_named_and_passed_over(tmp_path,
     assert not re.search(r"^warning: the ", text, re.M)  # no shortfall: the other shard holds the run's 4 steps
 
 
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or shutil.which("taskset") is None,
+                    reason="needs Linux CPU affinity and taskset")
+def test_the_default_thread_count_is_the_cpus_the_process_may_use(tmp_path, make_shards):
+    """Under taskset (or Slurm, or a container's cpuset) the default is the CPUs allowed, not the
+    host's count, and a CPU log says which count ordered its sums."""
+    train_glob, val_glob, _ = make_shards()
+    log_dir = tmp_path / "records"
+    argv = tiny_argv(train_files=train_glob, val_files=val_glob, log_dir=log_dir, num_iterations=1, val_every=0)
+    proc = subprocess.run(["taskset", "-c", str(min(os.sched_getaffinity(0))), sys.executable,
+                           str(ROOT / "train_gpt.py"), *argv], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    header = next(log_dir.glob("*/*.txt")).read_text().split("=" * 100)[1]
+    assert "\neffective_threads=1\n" in header
+
+
 def test_missing_data_fails_before_any_log_is_written(tmp_path):
     log_dir = tmp_path / "records"
     proc = run_script(tmp_path, *tiny_argv(train_files=str(tmp_path / "none_*.bin"), log_dir=log_dir))
