@@ -834,8 +834,8 @@ POLAR_EXPRESS_COEFFS = [
 ]
 
 # Four steps after AOL, chosen by loss rather than by polar error (bench/README.md, "A/B of
-# optimizer options"): Polar Express's first three, then a fourth capped so that the largest singular value
-# is 1, not 1 + E (bench/derive_aol_coeffs.py, cap_final).
+# optimizer options"): Polar Express's first three, then a fourth capped so that the largest
+# singular value is 1, not 1 + E (bench/derive_aol_coeffs.py, cap_final).
 AOL_COEFFS_LOWER_BOUND = 1e-3  # the l the table was derived for
 AOL_COEFFS = [  # as bench/derive_aol_coeffs.py --lower 1e-3 --steps 4 --cap-final prints it
     (8.156554524902461, -22.483292925577953, 15.878769915207466),
