@@ -1827,10 +1827,10 @@ class Rotary(nn.Module):
         freqs = (1 / base) ** torch.linspace(0, 1, quarter, dtype=torch.float32)
         freqs = torch.cat([freqs, freqs.new_zeros(quarter)])
         theta = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), freqs)
-        # One element first, on one thread: a process's first vectorized cos or sin (MKL's VML in
-        # the x86 wheels) split over threads can come out at low accuracy in a second thread's
-        # part (cos errors of 1.5e-4 at positions 512+ in 1 to 4 processes of 10 on a
-        # 2-core Xeon), and runs of one command then differed.
+        # One element first, on one thread: a process's first vectorized math call (MKL's VML in
+        # the x86 wheels; here cos, and sin after it is exact) split over threads can come out at
+        # low accuracy in a second thread's part (cos errors of 1.5e-4 at positions 512+ in 1 to 4
+        # processes of 10 on a 2-core Xeon), and runs of one command then differed.
         theta[:1, :1].cos()
         self.register_buffer("cos", theta.cos(), persistent=False)
         self.register_buffer("sin", theta.sin(), persistent=False)
@@ -2570,7 +2570,7 @@ def shown_paths(paths):
 
 
 def log_header(log, args, ranks, hw, model, optimizer, data_note, data_files):
-    log(source_code().decode(), console=False)
+    log(source_code().decode("utf-8", "replace"), console=False)
     log("=" * 100, console=False)
     log(f"Running Python {sys.version}", console=False)
     cuda = f"compiled for CUDA {torch.version.cuda}" if torch.version.cuda else "(CPU build)"
@@ -2726,9 +2726,10 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
         val_tokens = load_val_tokens(val_files, args.val_tokens, pin)
         # every token now: a bad shard late in the list would end a run hours in
         without_bos = [path for path in train_files if not (read_shard_tokens(path) == BOS_TOKEN).any()]
+        shortfall = data_shortfall(train_files, args, without_bos)
+        train_files = [path for path in train_files if path not in without_bos]  # no window starts there
         if checkpoint is not None and checkpoint["loader"] is not None:  # now, not after compiling
             TrainBatches.check_position(checkpoint["loader"], train_files)
-        shortfall = data_shortfall(train_files, args, without_bos)
         model = GPT(args, hw).to(hw.device)  # here: out of memory on one rank ends every rank
         optimizer = ShardedMuonAdam(param_specs(model, args), args, ranks, hw, collectives)
     except Exception as e:  # any failure (out of memory too): every rank must reach the agreement
@@ -2916,6 +2917,9 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
                     synchronize(hw)
                     t0 = time.perf_counter()
                 if last_step:
+                    if not validating:  # the data ran out right after a validation: the clock ran since
+                        synchronize(hw)
+                        training_time_ms += 1000 * (time.perf_counter() - t0)
                     break
                 try:
                     if batches is None:  # reads and indexes the first shard, starts the prefetch thread
@@ -3031,8 +3035,9 @@ def checkpoint_path_of(log):
 
 @functools.cache
 def source_code():
-    """This file as the process found it when it started (main() reads it first): the log, the
-    checkpoints and the ranks' agreement name the code that runs, not an edit made while it trains."""
+    """This file as main() found it, read once (main() reads it first, seconds after Python did):
+    the log, the checkpoints and the ranks' agreement name the code that runs, not an edit saved
+    while it trains."""
     with open(__file__, "rb") as f:
         return f.read()
 

@@ -423,7 +423,8 @@ def main(argv=None):
         (out / "logs").mkdir(parents=True, exist_ok=True)
     except OSError as e:
         fail(f"--out {out}: cannot create it ({e.strerror or e})")
-    parallel = args.parallel or max(1, (os.cpu_count() or 1) // args.threads)
+    import train_gpt
+    parallel = args.parallel or max(1, train_gpt.usable_cpus() // args.threads)
 
     # seed-major order, so that an interrupted A/B has as many runs of every configuration
     jobs = [(label, common + argv, seed) for seed in range(args.seeds) for label, argv in configs]

@@ -116,7 +116,7 @@ def main():
     fit_prefix = args.fit or prefixes[len(prefixes) // 2]
     if fit_prefix not in prefixes:
         parser.error(f"--fit {fit_prefix}: not among the captured steps {', '.join(prefixes)}")
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(ns.usable_cpus())
     started = time.time()
     fit, held_out = split_captures(samples, fit_prefix)
     fit_spectrum = post_aol_spectrum(fit)

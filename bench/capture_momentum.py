@@ -49,7 +49,7 @@ def main():
         parser.error(f"--at {max(args.at)} is after the last step {args.steps}")
     os.chdir(REPO_ROOT)  # the cpu preset's sample paths are relative to the repository
     train_gpt.keep_freed_memory_on_cpu()
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(train_gpt.usable_cpus())
     config = train_gpt.Hyperparameters(**dict(
         CAPTURE_MODEL, num_iterations=args.steps, num_layers=args.layers, micro_batches=1, train_seq_len=args.seq_len,
         window_pattern="LSSL"[:args.layers] if args.layers <= 4 else "LSSL", ns_method=args.ns_method))

@@ -40,7 +40,7 @@ def worker(rank, world_size, port, steps, overlap, out_path):
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     os.chdir(REPO_ROOT)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    torch.set_num_threads(max(1, train_gpt.usable_cpus() // world_size))
     argv = ["--preset", "cpu", f"--num_iterations={steps}", "--val_every=0", "--warmup_steps=1",
             f"--micro_batches={world_size}", "--train_seq_len=512", "--val_seq_len=512", "--val_tokens=512",
             f"--overlap_comms={overlap}"]

@@ -38,7 +38,7 @@ def main():
         print(e)
         return
     train_gpt.keep_freed_memory_on_cpu()
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(train_gpt.usable_cpus())
     rows = []
     for method, config in zip(args.methods, configs):
         try:

@@ -195,7 +195,7 @@ def main():
     if args.quick:
         args.batch, args.max_per_name = 1, 1
     torch.manual_seed(args.seed)
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(ns.usable_cpus())
 
     if args.aol_lower is None:
         aol_table, aol_label = ns.AOL_COEFFS, "AOL+AOL_COEFFS"

@@ -241,6 +241,7 @@ def test_a_training_shard_without_a_bos_token_is_named_and_passed_over(tmp_path,
     assert proc.returncode == 0, proc.stderr[-2000:]
     text = next(log_dir.glob("*/*.txt")).read_text()
     assert f"warning: 1 training shard(s) hold no BOS token (50256) and are passed over, the first {first}" in text
+    assert str(first) not in next(line for line in text.splitlines() if line.startswith("train_files="))
     assert not re.search(r"^warning: the ", text, re.M)  # no shortfall: the other shard holds the run's 4 steps
 
 
