@@ -167,31 +167,23 @@ def test_compiled_training_gives_the_eager_run(make_shards, monkeypatch, scope):
     assert [v for _, v in compiled.val_losses] == pytest.approx([v for _, v in eager.val_losses], rel=1e-5)
 
 
-def test_running_out_of_data_stops_cleanly(tmp_path, make_shards):
+@pytest.mark.parametrize("val_every", [0, 1])
+def test_running_out_of_data_stops_cleanly(tmp_path, make_shards, val_every):
+    """The run validates where it stopped, once: with a validation every step the data runs out at
+    a step just validated, which is not validated again (on the speedrun, 10M tokens and a second
+    log line)."""
     train_glob, val_glob, _ = make_shards(train_sizes=(1_000,))
     log_dir = tmp_path / "records"
     proc = run_script(tmp_path, *tiny_argv(train_files=train_glob, val_files=val_glob, log_dir=log_dir,
-                                           num_iterations=50, val_every=0))
+                                           num_iterations=50, val_every=val_every))
     assert proc.returncode == 3, proc.stderr[-2000:]
     text = next(log_dir.glob("*/*.txt")).read_text()
     assert "stopping early at step" in text and "training data ran out" in text
     assert "warning: the 1 training shard(s) hold 1,000 tokens but 50 steps need at least 6,400" in text
-    assert re.search(r"^step:\d+/50 val_loss:", text, re.M)  # validated where it stopped
-    assert PEAK.search(text.splitlines()[-1])
-
-
-def test_data_running_out_at_a_validation_step_validates_it_once(tmp_path, make_shards):
-    """Every step validates, so the data runs out at one that has just been validated: the run
-    stops there without validating it again (on the speedrun, 10M tokens and a second log line)."""
-    train_glob, val_glob, _ = make_shards(train_sizes=(1_000,))
-    log_dir = tmp_path / "records"
-    proc = run_script(tmp_path, *tiny_argv(train_files=train_glob, val_files=val_glob, log_dir=log_dir,
-                                           num_iterations=50, val_every=1))
-    assert proc.returncode == 3, proc.stderr[-2000:]
-    text = next(log_dir.glob("*/*.txt")).read_text()
     validated = [int(STEP_VAL.match(line).group(1)) for line in text.splitlines() if STEP_VAL.match(line)]
     stopped = int(re.search(r"^stopping early at step (\d+)/50", text, re.M).group(1))
-    assert validated == list(range(stopped + 1))  # each step once, the last where the data ran out
+    assert validated == (list(range(stopped + 1)) if val_every else [stopped])
+    assert PEAK.search(text.splitlines()[-1])
 
 
 def test_shards_too_small_for_one_step_are_refused_before_anything_starts(tmp_path, make_shards):
