@@ -3076,7 +3076,8 @@ def save_checkpoint(path, step, train_time_ms, args, ranks, model, optimizer, ba
                  rng=dict(cpu=torch.get_rng_state(),
                           cuda=torch.cuda.get_rng_state(device) if device.type == "cuda" else None),
                  loader=batches.state() if batches is not None else None,
-                 val_losses=result.all_val_losses())
+                 val_losses=result.all_val_losses(),
+                 threads=torch.get_num_threads() if device.type == "cpu" else None)  # they order the sums
     try:
         write_atomically(state, path)
     except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError from the OSError
@@ -3180,6 +3181,10 @@ def restore_checkpoint(checkpoint, path, model, optimizer, ranks, hw, log):
         torch.cuda.set_rng_state(checkpoint["rng"]["cuda"], hw.device)
     if checkpoint["code_sha256"] != code_fingerprint():
         log(f"warning: {path} was written by a different train_gpt.py; the continuation may not be exact")
+    trained_with = checkpoint.get("threads")  # None: trained on a GPU, or saved before 2026-11-26
+    if hw.device.type == "cpu" and trained_with not in (None, torch.get_num_threads()):
+        log(f"warning: {path} was trained with {trained_with} CPU threads, this run has {torch.get_num_threads()}; "
+            "its sums round in another order, so the continuation is close, not exact")
     log(f"resuming from {path} at step {checkpoint['step']} (saved at world size {checkpoint['world_size']}, "
         f"resumed at {ranks.world_size})")
     return checkpoint["step"], checkpoint["train_time_ms"]

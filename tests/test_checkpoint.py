@@ -467,6 +467,24 @@ def test_a_checkpoint_that_does_not_fit_the_code_is_refused(single):
     assert "\n" not in str(error.value)
 
 
+def test_a_resume_with_another_cpu_thread_count_says_it_is_not_exact(single):
+    """The thread count orders a CPU's sums: the default (the usable cores) may differ where the
+    resume runs (another machine, taskset), and the continuation is then close, not bit for bit."""
+    checkpoint = load(single["step3"])
+    assert checkpoint["threads"] == torch.get_num_threads()
+    args = train_gpt.parse_config(single["argv"], {}, 1, False)
+    hw = train_gpt.Hardware.detect(args)
+    for saved_with, warned in ((torch.get_num_threads(), False), (torch.get_num_threads() + 1, True)):
+        model = train_gpt.GPT(args, hw)
+        optimizer = train_gpt.ShardedMuonAdam(train_gpt.param_specs(model, args), args, train_gpt.Ranks(), hw)
+        lines = []
+        train_gpt.restore_checkpoint(dict(checkpoint, threads=saved_with), "x.pt", model, optimizer,
+                                     train_gpt.Ranks(), hw, lines.append)
+        warning = (f"warning: x.pt was trained with {saved_with} CPU threads, this run has {torch.get_num_threads()}; "
+                   "its sums round in another order, so the continuation is close, not exact")
+        assert (warning in lines) is warned
+
+
 def test_a_checkpoint_that_does_not_fit_ends_the_run_in_one_line_and_a_complete_log(single, tmp_path, capsys):
     """Found after warmup, when the model exists: logged as the run's last line but one, exit 1."""
     checkpoint = load(single["step3"])
