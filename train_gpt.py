@@ -2476,16 +2476,16 @@ def resolve_data_files(args):
 
 
 def data_shortfall(files, args, without_bos=()):
-    """Warnings (lines) if some training shards hold no BOS token or the shards cannot last
-    num_iterations steps. Windows skip the tails of documents, so the need is a lower bound. A
-    DataError where nothing would train (after minutes of compiling): no shard has room for one
-    step (the loader's rule), or none holds a BOS, where every window starts."""
-    if len(without_bos) == len(files):
-        raise DataError(f"{files[0]}: no training shard holds a BOS token ({BOS_TOKEN}), and every training "
+    """Warnings (lines) if some training shards hold no BOS token (without_bos; files are the
+    others) or the shards cannot last num_iterations steps. Windows skip the tails of documents,
+    so the need is a lower bound. A DataError where nothing would train (after minutes of
+    compiling): no shard holds a BOS, where every window starts, or none has room for one step
+    (the loader's rule)."""
+    if not files:
+        raise DataError(f"{without_bos[0]}: no training shard holds a BOS token ({BOS_TOKEN}), and every training "
                         "window starts at one: nothing would train (data/fineweb.py starts every document with it)")
     warnings = [f"warning: {len(without_bos)} training shard(s) hold no BOS token ({BOS_TOKEN}) and are passed over, "
                 f"the first {without_bos[0]}"] if without_bos else []
-    files = [f for f in files if f not in without_bos]
     sizes = [read_shard_header(f) for f in files]
     room = step_room(args.micro_batches, args.train_seq_len)  # TrainBatches._room_for_a_step at a shard's start
     if max(sizes) <= room:
@@ -2726,8 +2726,8 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
         val_tokens = load_val_tokens(val_files, args.val_tokens, pin)
         # every token now: a bad shard late in the list would end a run hours in
         without_bos = [path for path in train_files if not (read_shard_tokens(path) == BOS_TOKEN).any()]
-        shortfall = data_shortfall(train_files, args, without_bos)
         train_files = [path for path in train_files if path not in without_bos]  # no window starts there
+        shortfall = data_shortfall(train_files, args, without_bos)
         if checkpoint is not None and checkpoint["loader"] is not None:  # now, not after compiling
             TrainBatches.check_position(checkpoint["loader"], train_files)
         model = GPT(args, hw).to(hw.device)  # here: out of memory on one rank ends every rank
