@@ -428,9 +428,13 @@ def load_folder(path: str | Path) -> RecordFolder:
     names = {r.run_name for r in folder.usable if r.run_name is not None}
     if len(names) > 1:
         folder.warnings.append(f"{folder.label}: logs state different run_name values: {', '.join(sorted(names))}")
-    if differing := config_differences(folder.usable):
+    differing, partial = config_differences(folder.usable)
+    if differing:
         folder.warnings.append(f"{folder.label}: the runs differ in configuration: {differing}; kept, "
                                "but their statistics mix configurations")
+    if partial:
+        folder.warnings.append(f"{folder.label}: settings only some of the logs record: {partial}; "
+                               "written by versions of train_gpt.py that did not all know them, so not compared")
     codes = Counter(r.code_hash for r in folder.usable if r.code_hash)
     if len(codes) > 1:
         versions = codes.most_common()
@@ -460,17 +464,22 @@ def runs_count(n: int) -> str:
     return f"{n} run" + "s" * (n != 1)
 
 
-def config_differences(runs: list[RunLog]) -> str:
+def config_differences(runs: list[RunLog]) -> tuple[str, str]:
     """The header settings (other than names, seeds, paths and values derived from the others) whose
-    values differ among runs that state a configuration, e.g. "muon_lr (0.05: 3 runs, 0.04: 1 run)"; "" if none."""
+    values differ among runs that state a configuration, e.g. "muon_lr (0.05: 3 runs, 0.04: 1 run)";
+    and those only some of the logs record (written by another version of train_gpt.py, which did not
+    know the setting: a difference of versions, not of configuration). "" where there is none."""
     configs = [r.config for r in runs if r.config]
     keys = sorted({key for config in configs for key in config} - NOT_COMPARED)
+    recorded_by_all = [key for key in keys if all(key in config for config in configs)]
     parts = []
-    for key in keys:
-        counts = Counter(config.get(key, "(absent)") for config in configs).most_common()
+    for key in recorded_by_all:
+        counts = Counter(config[key] for config in configs).most_common()
         if len(counts) > 1:
             parts.append(f"{key} (" + ", ".join(f"{value}: {runs_count(n)}" for value, n in counts) + ")")
-    return ", ".join(parts)
+    partial = [f"{key} ({sum(key in config for config in configs)} of {len(configs)})"
+               for key in keys if key not in recorded_by_all]
+    return ", ".join(parts), ", ".join(partial)
 
 
 def resolve_target(cli_target: float | None, folders: list[RecordFolder]) -> tuple[float, str, list[str]]:
@@ -527,12 +536,19 @@ def baseline_warnings(runs: RecordFolder, baseline: RecordFolder) -> list[str]:
     runs_config = _majority_config(runs)
     baseline_config = _majority_config(baseline)
     if runs_config and baseline_config:
-        keys = sorted((runs_config.keys() | baseline_config.keys()) - NOT_COMPARED)
-        differing = [f"{key} ({runs_config.get(key, '(absent)')} vs {baseline_config.get(key, '(absent)')})"
-                     for key in keys if runs_config.get(key) != baseline_config.get(key)]
+        keys = sorted((runs_config.keys() & baseline_config.keys()) - NOT_COMPARED)
+        differing = [f"{key} ({runs_config[key]} vs {baseline_config[key]})"
+                     for key in keys if runs_config[key] != baseline_config[key]]
         if differing:
             found.append(f"configuration differs between runs and baseline: {', '.join(differing)}; "
                          "make sure that is the change being tested")
+        only_runs = sorted(runs_config.keys() - baseline_config.keys() - NOT_COMPARED)
+        only_baseline = sorted(baseline_config.keys() - runs_config.keys() - NOT_COMPARED)
+        if only_runs or only_baseline:
+            sides = [f"only the runs' logs record {', '.join(only_runs)}"] * bool(only_runs) + [
+                f"only the baseline's record {', '.join(only_baseline)}"] * bool(only_baseline)
+            found.append(f"{'; '.join(sides)}: written by versions of train_gpt.py that did not know the"
+                         " same settings, so not compared")
     baseline_by_output = {r.run_hash: r for r in baseline.usable}
     if shared := [(r, baseline_by_output[r.run_hash]) for r in runs.usable if r.run_hash in baseline_by_output]:
         run, twin = shared[0]
@@ -556,7 +572,7 @@ def _majority_config(folder: RecordFolder) -> dict[str, str]:
     """Each header setting's most common value among the folder's usable runs."""
     configs = [r.config for r in folder.usable if r.config]
     keys = {key for config in configs for key in config}
-    return {key: Counter(c.get(key, "(absent)") for c in configs).most_common(1)[0][0] for key in keys}
+    return {key: Counter(c[key] for c in configs if key in c).most_common(1)[0][0] for key in keys}
 
 
 def _p_value(test_name: str, *args, **kwargs) -> float | None:

@@ -896,3 +896,27 @@ def test_the_plot_shows_every_validation_after_step_0():
     assert max(loss for step, _, loss in speedrun.val_curve if step > 0) > 5
     bottom, top = compare.loss_axis_limits([speedrun], 3.28)
     assert bottom < 3.2790 and 4.0 < top < 4.05
+
+
+def test_settings_only_some_logs_record_are_a_version_difference_not_a_configuration_one(tmp_path):
+    """A setting added to the header since some logs were written (as effective_threads was) is
+    reported as such, not as a changed knob with an "(absent)" value."""
+    folder = tmp_path / "mixed"
+    write_logs(folder, [with_settings(make_log(3.2771), seed=0, effective_threads=2),
+                        with_settings(make_log(3.2781), seed=1, effective_threads=2),
+                        with_settings(make_log(3.2791), seed=2)])
+    warnings = compare.load_folder(folder).warnings
+    assert not [w for w in warnings if "configuration" in w]
+    [warning] = [w for w in warnings if "effective_threads" in w]
+    assert warning.startswith("mixed: settings only some of the logs record: effective_threads (2 of 3); ")
+    runs_dir, base_dir = tmp_path / "runs", tmp_path / "base"
+    write_logs(runs_dir, [with_settings(make_log(l, t), seed=i, effective_threads=2, muon_lr=0.04)
+                          for i, (l, t) in enumerate(zip(LOSSES, TIMES))])
+    write_logs(base_dir, [with_settings(make_log(l, t, run_name="baseline"), seed=i, muon_lr=0.05, old_knob=1)
+                          for i, (l, t) in enumerate(zip(BASE_LOSSES, BASE_TIMES))])
+    found = compare.baseline_warnings(compare.load_folder(runs_dir), compare.load_folder(base_dir))
+    [configuration] = [w for w in found if "configuration" in w]
+    assert configuration.startswith("configuration differs between runs and baseline: muon_lr (0.04 vs 0.05); ")
+    [versions] = [w for w in found if "effective_threads" in w]
+    assert versions.startswith("only the runs' logs record effective_threads; only the baseline's record old_knob: ")
+    assert "(absent)" not in " ".join(found + warnings)
