@@ -338,7 +338,7 @@ def parse_config(argv, environ, world_size=1, cuda_available=None):
         args.checkpoint_every = 0
     try:
         check_config(args, world_size, cuda_available)
-        sample_only = sorted({"max_new_tokens", "temperature", "top_k"} & set_fields)
+        sample_only = sorted({"prompt", "max_new_tokens", "temperature", "top_k"} & set_fields)
         if sample_only and not args.sample:  # a training run would ignore them in silence
             raise ConfigError(f"--{sample_only[0]}: only --sample reads it (--sample CHECKPOINT --{sample_only[0]} ...)")
     except ConfigError as e:
@@ -472,10 +472,8 @@ def check_log_dir(args):
         raise ConfigError(f"--log_dir={args.log_dir!r}: {doing} ({e.strerror or e})") from None
     finally:
         for path in created:
-            try:
+            with contextlib.suppress(OSError):
                 os.rmdir(path)
-            except OSError:
-                pass
 
 
 def check_config(args, world_size, cuda_available):
@@ -556,7 +554,6 @@ def check_config(args, world_size, cuda_available):
     need(args.ns_backend != "triton" or triton is not None, "--ns_backend=triton: triton is not installed")
     need(args.ns_backend != "triton" or uses_cuda(args, cuda_available) or TRITON_INTERPRETING,
          "--ns_backend=triton: needs a CUDA device (or TRITON_INTERPRET=1 for tests)")
-    need(not args.prompt or args.sample, "--prompt: only --sample reads it (--sample CHECKPOINT --prompt TEXT)")
     need(not (args.sample and args.resume), "--sample and --resume: choose one")
     need(not args.checkpoint_every or args.save_checkpoint,
          f"--checkpoint_every={args.checkpoint_every}: needs --save_checkpoint true")
@@ -675,10 +672,8 @@ def die_with_the_launcher(environ):
     longer waits for its processes) would hold its GPU until the dist timeout: Linux kills it along."""
     if "TORCHELASTIC_RUN_ID" in environ and sys.platform.startswith("linux"):
         PR_SET_PDEATHSIG = 1
-        try:
+        with contextlib.suppress(AttributeError, OSError):  # no prctl in the C library: the rank may outlive it
             ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        except (AttributeError, OSError):  # a C library without prctl: the rank may outlive its launcher
-            pass
 
 
 @contextlib.contextmanager
@@ -2555,11 +2550,8 @@ def hardware_description(hw):
         except (OSError, subprocess.SubprocessError):
             return f"GPU: {torch.cuda.get_device_name(hw.device)} (nvidia-smi unavailable)"
     model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    with contextlib.suppress(OSError, StopIteration), open("/proc/cpuinfo") as f:
+        model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     return f"CPU: {model} x{os.cpu_count()}"
 
 
@@ -2631,7 +2623,7 @@ class Interrupted(Exception):
 
 
 class StopSignals:
-    """SIGINT and SIGTERM, once main() installs this. In set-up and warmup a signal raises
+    """The handler of SIGINT and SIGTERM while main() runs. In set-up and warmup a signal raises
     Interrupted at once. In the training loop it is announced and recorded: the loop stops at its
     next check, which every rank reaches at the same step, so all of them leave the process group
     together. A second signal there (the user insisting; under torchrun, the SIGTERM that a second
@@ -2649,19 +2641,8 @@ class StopSignals:
         self.signum = None  # the first signal
         self.repeat = None  # the signal that stopped the loop mid-step
         self._last = (None, 0.0)  # the last signal acted on, and when
-        self._previous = {}
 
-    def install(self):
-        if threading.current_thread() is not threading.main_thread():
-            return  # Python delivers signals to the main thread only; elsewhere the caller's handling stays
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            self._previous[signum] = signal.signal(signum, self._on_signal)
-
-    def uninstall(self):  # main() called in-process (tests) must leave the caller's handlers as they were
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-
-    def _on_signal(self, signum, frame):
+    def __call__(self, signum, frame):
         now = time.monotonic()
         if signum == self._last[0] and now - self._last[1] < self.FORWARDED_WITHIN_S:
             return  # a copy of the signal just acted on
@@ -2673,10 +2654,10 @@ class StopSignals:
             name = signal.Signals(signum).name
             what = self.until_text if self.phase == "loop" else "is ending"
             if self.announce:
-                try:  # os.write: print() may be in the middle of a write in the main thread
+                # os.write: print() may be in the middle of a write in the main thread. OSError: the
+                # console has gone (`| tee`, ended by the same Ctrl-C).
+                with contextlib.suppress(OSError):
                     os.write(1, f"{name}: the run {what} ({name} again to stop at once)\n".encode())
-                except OSError:  # the console has gone (`| tee`, ended by the same Ctrl-C)
-                    pass
         elif self.phase == "loop" and self.repeat is None:
             self.repeat = signum
             raise Interrupted()
@@ -3366,27 +3347,27 @@ def main(argv=None, environ=None):
     log = RunLog(args, ranks)
     stop = StopSignals(announce=ranks.local_rank == 0)
     result = None
-    try:
-        stop.install()
-        init_process_group(args, ranks, hw)
-        result = train(args, ranks, hw, log, stop=stop)
-    except (DataError, RankMismatch, CheckpointError, ConfigError, SetupError) as e:
-        stop.phase = "end"  # first: a signal from here on cannot raise (a peer's exit makes torchrun send one)
-        if not isinstance(e, PeerDataError):
-            say(f"train_gpt.py: error: {named_as_set(str(e), argv, environ)}", sys.stderr)
-        return EXIT_ERROR
-    except Interrupted as e:  # before the training loop: nothing trained yet
-        # One report per machine, as for a bad option; or by the one rank a signal reached in set-up.
-        if log.started or ranks.local_rank == 0 or e.rank_alone is not None:
-            report = log if log.started else say
-            which = f"rank {e.rank_alone}: " if e.rank_alone is not None else ""
-            report(f"{which}interrupted at step 0/{args.num_iterations} ({signal.Signals(stop.signum).name})")
-            report(peak_memory_line(hw))
-        return 128 + stop.signum
-    finally:
-        stop.phase = "end"
-        leave_process_group(clean=result is not None and not result.crashed)
-        stop.uninstall()
+    # Handlers put back on the way out: main() called in-process (tests) leaves the caller's as they were
+    with signals_handled_by(stop, (signal.SIGINT, signal.SIGTERM)):
+        try:
+            init_process_group(args, ranks, hw)
+            result = train(args, ranks, hw, log, stop=stop)
+        except (DataError, RankMismatch, CheckpointError, ConfigError, SetupError) as e:
+            stop.phase = "end"  # first: a signal from here on cannot raise (a peer's exit makes torchrun send one)
+            if not isinstance(e, PeerDataError):
+                say(f"train_gpt.py: error: {named_as_set(str(e), argv, environ)}", sys.stderr)
+            return EXIT_ERROR
+        except Interrupted as e:  # before the training loop: nothing trained yet
+            # One report per machine, as for a bad option; or by the one rank a signal reached in set-up.
+            if log.started or ranks.local_rank == 0 or e.rank_alone is not None:
+                report = log if log.started else say
+                which = f"rank {e.rank_alone}: " if e.rank_alone is not None else ""
+                report(f"{which}interrupted at step 0/{args.num_iterations} ({signal.Signals(stop.signum).name})")
+                report(peak_memory_line(hw))
+            return 128 + stop.signum
+        finally:
+            stop.phase = "end"
+            leave_process_group(clean=result is not None and not result.crashed)
     if result.crashed and result.exit_code == EXIT_ERROR:  # every rank that failed says so; the log has the traceback
         in_log = f" (traceback in {log.path})" if result.traceback_logged and log.path and not log.error else ""
         say(f"train_gpt.py: error: {result.failure}{in_log}", sys.stderr)

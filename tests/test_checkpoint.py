@@ -415,8 +415,9 @@ def test_the_fields_sample_takes_from_the_checkpoint_are_those_the_model_reads()
 
 
 def test_prompt_belongs_to_sample():
-    with pytest.raises(train_gpt.ConfigError, match=r"--prompt: only --sample reads it"):
-        train_gpt.parse_config(tiny_argv(prompt="Hello"), {}, 1, False)
+    for prompt in ("Hello", ""):  # set, even to nothing, is set: a training run would ignore it
+        with pytest.raises(train_gpt.ConfigError, match=r"^--prompt: only --sample reads it \(--sample CHECKPOINT"):
+            train_gpt.parse_config(tiny_argv(prompt=prompt), {}, 1, False)
     with pytest.raises(train_gpt.ConfigError, match="--sample and --resume: choose one"):
         train_gpt.parse_config(tiny_argv(sample="a.pt", resume="a.pt"), {}, 1, False)
 

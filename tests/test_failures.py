@@ -528,7 +528,7 @@ def test_insisting_once_more_takes_the_signals_default_action(monkeypatch, phase
     monkeypatch.setattr(train_gpt.os, "kill", lambda pid, signum: done.append(("kill", pid, signum)))
     stop = train_gpt.StopSignals(announce=False)
     stop.phase, stop.signum, stop.repeat = phase, signal.SIGINT, repeat
-    stop._on_signal(signal.SIGINT, None)
+    stop(signal.SIGINT, None)
     assert done == [("handler", signal.SIGINT, signal.SIG_DFL), ("kill", os.getpid(), signal.SIGINT)]
 
 
@@ -540,10 +540,10 @@ def test_a_copy_of_the_second_signal_is_not_a_third(monkeypatch):
     monkeypatch.setattr(train_gpt.os, "kill", lambda pid, signum: done.append(("kill", pid, signum)))
     stop = train_gpt.StopSignals(announce=False)
     stop.phase, stop.until_text = "loop", "stops after this step"
-    stop._on_signal(signal.SIGINT, None)
+    stop(signal.SIGINT, None)
     with pytest.raises(train_gpt.Interrupted):
-        stop._on_signal(signal.SIGTERM, None)
-    stop._on_signal(signal.SIGTERM, None)  # within FORWARDED_WITHIN_S: ignored, no default action
+        stop(signal.SIGTERM, None)
+    stop(signal.SIGTERM, None)  # within FORWARDED_WITHIN_S: ignored, no default action
     assert done == []
     assert (stop.signum, stop.repeat, stop.stopped_mid_step()) == (signal.SIGINT, signal.SIGTERM, "SIGINT then SIGTERM")
 
