@@ -958,7 +958,8 @@ def main(argv: list[str] | None = None) -> int:
         plot_curves(runs, target, out / PLOT_FILE, baseline)
     except OSError as error:
         print(f"compare.py: error: {out}: cannot write {STATISTICS_FILE} and {PLOT_FILE} "
-              f"({error.strerror or error}); --out DIR writes them elsewhere", file=sys.stderr)
+              f"({error.strerror or error})" + ("; --out DIR writes them elsewhere" if args.out is None else ""),
+              file=sys.stderr)
         return 1
     print(f"wrote {out / STATISTICS_FILE} and {out / PLOT_FILE}")
     return 0

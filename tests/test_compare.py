@@ -488,6 +488,11 @@ def test_a_folder_that_cannot_take_the_results_still_gets_the_figures_printed(go
     assert "p (mean loss < 3.28)" in out
     assert err == (f"compare.py: error: {good_runs}: cannot write statistics.md and val_loss_vs_time.png "
                    "(Is a directory); --out DIR writes them elsewhere\n")
+    refusing = tmp_path / "refusing"  # --out given and refused too: no hint to give --out
+    (refusing / "statistics.md").mkdir(parents=True)
+    assert compare.main([str(good_runs), "--out", str(refusing)]) == 1
+    assert capsys.readouterr().err == (f"compare.py: error: {refusing}: cannot write statistics.md and "
+                                       "val_loss_vs_time.png (Is a directory)\n")
     elsewhere = tmp_path / "results" / "new"
     assert compare.main([str(good_runs), "--out", str(elsewhere)]) == 0
     assert capsys.readouterr().out.endswith(f"wrote {elsewhere / 'statistics.md'} and {elsewhere / 'val_loss_vs_time.png'}\n")
