@@ -11,7 +11,8 @@
 # DIST_TIMEOUT_S seconds (default 900) for the others to join, then gives up.
 # Run from anywhere: paths you pass are relative to your folder, as with `python train_gpt.py`
 # (the default data folders are this repository's, wherever you start from). PYTHON (default
-# python3) is the interpreter that runs torchrun and the trainer.
+# python3) is the interpreter that runs torchrun and the trainer. LOGLEVEL=INFO shows torchrun's
+# own log lines, which are otherwise kept off the console.
 set -euo pipefail
 trainer="$(CDPATH= cd -- "$(dirname -- "$0")" >/dev/null && pwd)/train_gpt.py"
 PYTHON=${PYTHON:-python3}

@@ -425,7 +425,10 @@ def config_help(args, cuda_available, from_environment=(), unreadable=None):
                 if args.resume and unreadable is None else "") + f", with this environment and command line; "
              f"presets: {', '.join(PRESETS)} (--preset, default {'speedrun' if cuda_available else 'cpu'} "
              "on this machine).", ""]
-    settings = [(f"--{f.name}={getattr(args, f.name)}", f) for f in dataclasses.fields(Hyperparameters)]
+    on_sample = trains_on_sample(args)  # the rows show what the run reads, not the FineWeb globs it cannot
+    shown = dict(zip(("train_files", "val_files"), SAMPLE_FILES)) if on_sample else {}
+    settings = [(f"--{f.name}={shown.get(f.name, getattr(args, f.name))}", f)
+                for f in dataclasses.fields(Hyperparameters)]
     width = max(len(setting) for setting, _ in settings) + 2
     for setting, f in settings:
         text = descriptions.get(f.name, "")
@@ -437,7 +440,7 @@ def config_help(args, cuda_available, from_environment=(), unreadable=None):
         lines.append(f"  {setting.ljust(width)}{f.type.__name__:6} {text}".rstrip())
     if unreadable is not None:
         lines.append(f"The --resume checkpoint gives no values: {unreadable}")
-    if trains_on_sample(args):
+    if on_sample:
         lines.append(f"FineWeb's shards are not all in {os.path.join(REPO_DIR, 'data/fineweb10B')}: this run reads "
                      f"the embedded sample, {', '.join(SAMPLE_FILES)}.")
     return "\n".join(lines)

@@ -176,9 +176,15 @@ def test_help_with_values_that_are_refused_says_so_last():
 def test_help_says_when_the_cpu_preset_reads_the_embedded_sample(monkeypatch):
     monkeypatch.setattr(train_gpt, "REPO_DIR", "/nonexistent")  # no FineWeb there
     note = "FineWeb's shards are not all in /nonexistent/data/fineweb10B: this run reads the embedded sample, "
-    assert help_text(["--help", "--preset", "cpu"])[-1].startswith(note)
+    lines = help_text(["--help", "--preset", "cpu"])
+    assert lines[-1].startswith(note)
+    # the two rows show the files the run reads, not FineWeb's globs
+    assert [line.split()[0] for line in lines if line.startswith(("  --train_files=", "  --val_files="))] == [
+        "--train_files=data/sample/sample_train_*.bin", "--val_files=data/sample/sample_val_*.bin"]
     for argv in (["--train_files", "x"], ["--val_files", "x"], ["--preset", "speedrun"]):
-        assert not any(line.startswith("No FineWeb") for line in help_text(["--help", "--preset", "cpu", *argv]))
+        lines = help_text(["--help", "--preset", "cpu", *argv])
+        assert not any(line.startswith(note[:40]) for line in lines)
+        assert not any("data/sample/" in line for line in lines)
 
 
 def test_script_help_exits_0(tmp_path):
