@@ -675,7 +675,7 @@ def die_with_the_launcher(environ):
     longer waits for its processes) would hold its GPU until the dist timeout: Linux kills it along."""
     if "TORCHELASTIC_RUN_ID" in environ and sys.platform.startswith("linux"):
         PR_SET_PDEATHSIG = 1
-        with contextlib.suppress(AttributeError, OSError):  # no prctl in the C library: the rank may outlive it
+        with contextlib.suppress(AttributeError, OSError):  # no prctl: the rank may outlive its launcher
             ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
@@ -683,9 +683,11 @@ def die_with_the_launcher(environ):
 def signals_handled_by(handler, signums):
     """signums go to handler meanwhile, then back to what they were (main thread only: Python
     sets handlers nowhere else)."""
-    in_main_thread = threading.current_thread() is threading.main_thread()
-    before = {signum: signal.signal(signum, handler) for signum in signums} if in_main_thread else {}
-    try:
+    before = {}
+    try:  # each noted before it changes: a handler that raises as soon as it is in still puts all back
+        for signum in signums if threading.current_thread() is threading.main_thread() else ():
+            before[signum] = signal.getsignal(signum)
+            signal.signal(signum, handler)
         yield
     finally:
         for signum, previous in before.items():
@@ -3350,9 +3352,11 @@ def main(argv=None, environ=None):
     log = RunLog(args, ranks)
     stop = StopSignals(announce=ranks.local_rank == 0)
     result = None
-    # Handlers put back on the way out: main() called in-process (tests) leaves the caller's as they were
-    with signals_handled_by(stop, (signal.SIGINT, signal.SIGTERM)):
+    # The caller's handlers come back last, after leaving the process group (main() called in-process,
+    # as tests do, leaves them as they were); installed inside the try, which reports a signal at once.
+    with contextlib.ExitStack() as handlers:
         try:
+            handlers.enter_context(signals_handled_by(stop, (signal.SIGINT, signal.SIGTERM)))
             init_process_group(args, ranks, hw)
             result = train(args, ranks, hw, log, stop=stop)
         except (DataError, RankMismatch, CheckpointError, ConfigError, SetupError) as e:

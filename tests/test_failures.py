@@ -673,3 +673,27 @@ def test_full_disk_ends_the_run_with_one_line_naming_the_log_and_the_step(tmp_pa
     assert text.splitlines()[-1].startswith(last)
     if step == 0:  # stopped before compiling and warming up
         assert "arming up kernels" not in console.out
+
+
+def test_a_signal_as_the_handlers_go_in_is_reported_and_they_are_put_back(tmp_path, make_shards, monkeypatch, capfd):
+    """A Ctrl-C that lands the moment main() has installed its handlers (before the with statement
+    returns) is an interruption at step 0 like any in set-up: one line, status 130, and the caller's
+    handlers back in place (it escaped main() as a traceback, and left main()'s handler installed)."""
+    train_glob, val_glob, _ = make_shards()
+    before = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    install = signal.signal
+
+    def ctrl_c_just_after(signum, handler):
+        previous = install(signum, handler)
+        if signum == signal.SIGTERM and isinstance(handler, train_gpt.StopSignals):
+            os.kill(os.getpid(), signal.SIGINT)  # delivered at the next bytecode, in the handler just installed
+        return previous
+    monkeypatch.setattr(train_gpt.signal, "signal", ctrl_c_just_after)
+    try:
+        status = train_gpt.main(tiny_argv(train_files=train_glob, val_files=val_glob, log_dir=tmp_path), {})
+    finally:
+        after = {signum: signal.getsignal(signum) for signum in before}
+        for signum, handler in before.items():
+            install(signum, handler)
+    assert status == 130 and after == before
+    assert capfd.readouterr().out.splitlines()[-2] == f"interrupted at step 0/{TINY['num_iterations']} (SIGINT)"
