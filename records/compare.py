@@ -433,8 +433,8 @@ def load_folder(path: str | Path) -> RecordFolder:
         folder.warnings.append(f"{folder.label}: the runs differ in configuration: {differing}; kept, "
                                "but their statistics mix configurations")
     if partial:
-        folder.warnings.append(f"{folder.label}: settings only some of the logs record: {partial}; "
-                               "written by versions of train_gpt.py that did not all know them, so not compared")
+        folder.warnings.append(f"{folder.label}: settings only some of the logs record: {partial}; written by "
+                               "another version of train_gpt.py or on another device, so not compared")
     codes = Counter(r.code_hash for r in folder.usable if r.code_hash)
     if len(codes) > 1:
         versions = codes.most_common()
@@ -466,19 +466,21 @@ def runs_count(n: int) -> str:
 
 def config_differences(runs: list[RunLog]) -> tuple[str, str]:
     """The header settings (other than names, seeds, paths and values derived from the others) whose
-    values differ among runs that state a configuration, e.g. "muon_lr (0.05: 3 runs, 0.04: 1 run)";
-    and those only some of the logs record (written by another version of train_gpt.py, which did not
-    know the setting: a difference of versions, not of configuration). "" where there is none."""
+    values differ among the runs that record them, e.g. "muon_lr (0.05: 3 runs, 0.04: 1 run)"; and
+    those that only some of the logs record, with how many (a setting added to the header since
+    the others were written, or one written only on some devices). "" where there is none."""
     configs = [r.config for r in runs if r.config]
     keys = sorted({key for config in configs for key in config} - NOT_COMPARED)
-    recorded_by_all = [key for key in keys if all(key in config for config in configs)]
-    parts = []
-    for key in recorded_by_all:
-        counts = Counter(config[key] for config in configs).most_common()
+    parts, partial = [], []
+    for key in keys:
+        counts = sorted(Counter(config[key] for config in configs if key in config).items(),
+                        key=lambda value_count: (-value_count[1], value_count[0]))  # ties in a fixed order
+        recorded = sum(n for _, n in counts)
         if len(counts) > 1:
-            parts.append(f"{key} (" + ", ".join(f"{value}: {runs_count(n)}" for value, n in counts) + ")")
-    partial = [f"{key} ({sum(key in config for config in configs)} of {len(configs)})"
-               for key in keys if key not in recorded_by_all]
+            parts.append(f"{key} (" + ", ".join(f"{value}: {runs_count(n)}" for value, n in counts)
+                         + (f"; {len(configs) - recorded} without it" if recorded < len(configs) else "") + ")")
+        elif recorded < len(configs):
+            partial.append(f"{key} ({recorded} of {len(configs)})")
     return ", ".join(parts), ", ".join(partial)
 
 
@@ -547,8 +549,8 @@ def baseline_warnings(runs: RecordFolder, baseline: RecordFolder) -> list[str]:
         if only_runs or only_baseline:
             sides = [f"only the runs' logs record {', '.join(only_runs)}"] * bool(only_runs) + [
                 f"only the baseline's record {', '.join(only_baseline)}"] * bool(only_baseline)
-            found.append(f"{'; '.join(sides)}: written by versions of train_gpt.py that did not know the"
-                         " same settings, so not compared")
+            found.append(f"{'; '.join(sides)}: written by another version of train_gpt.py or on another"
+                         " device, so not compared")
     baseline_by_output = {r.run_hash: r for r in baseline.usable}
     if shared := [(r, baseline_by_output[r.run_hash]) for r in runs.usable if r.run_hash in baseline_by_output]:
         run, twin = shared[0]

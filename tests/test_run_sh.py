@@ -57,7 +57,7 @@ def test_run_sh_help_is_printed_once_with_its_own_variables(tmp_path):
     assert proc.stdout.count("usage: train_gpt.py") == 1 and "--num_iterations=5" in proc.stdout
     assert "--micro_batches=2 " in proc.stdout
     # every variable run.sh reads is explained there, but torch's own, which it honours as torch does
-    read = set(re.findall(r'\$\{([A-Z][A-Z_0-9]*)|environ\.get\("([A-Z_]+)"', (ROOT / "run.sh").read_text()))
+    read = set(re.findall(r'\$\{?([A-Z][A-Z_0-9]*)|environ(?:\.get\(|\[)"([A-Z_]+)"', (ROOT / "run.sh").read_text()))
     read = {name for pair in read for name in pair if name} - {"OMP_NUM_THREADS", "TORCH_CPP_LOG_LEVEL"}
     assert {"NPROC", "MICRO_BATCHES", "MASTER_PORT", "LOGLEVEL"} <= read  # the pattern still finds them
     header = proc.stdout.split("usage:")[0]
