@@ -57,12 +57,13 @@ def shard_nbytes(num_tokens):
     return HEADER_BYTES + 2 * num_tokens
 
 
-def write_shard(path, tokens):
+def write_shard(path, tokens, vocab_size=GPT2_VOCAB_SIZE):
     """Write tokens (any 1-D integer sequence) to path as a shard.
 
     The file appears under its final name only when complete: the data goes to
     a temporary file in the same directory, which then replaces path. Tokens
-    outside [0, 65535] are refused before anything is written.
+    outside [0, vocab_size) are refused before anything is written, as every
+    reader would refuse them (tests of the readers pass vocab_size=2**16).
     """
     path = os.fspath(path)
     arr = np.asarray(tokens)
@@ -77,6 +78,9 @@ def write_shard(path, tokens):
         if low < 0 or high > 65535:
             bad = low if low < 0 else high
             raise ShardError(f"{path}: token {bad} cannot be stored as uint16 (valid range 0..65535)")
+        if high >= vocab_size:  # the readers' rule and wording
+            raise ShardError(f"{path}: token {high} at index {int(np.argmax(arr >= vocab_size))} is >= vocab size "
+                             f"{vocab_size}")
     header = np.zeros(HEADER_INTS, dtype=_HEADER_DTYPE)
     header[0], header[1], header[2] = MAGIC, VERSION, arr.size
     directory = os.path.dirname(path) or "."

@@ -137,7 +137,7 @@ def test_trainer_and_data_tools_share_one_token_rule(tmp_path, token):
     point) and data/shards.py reject them with the same line."""
     import shards
     path = tmp_path / "pad.bin"
-    write_shard(path, [BOS, 5, token, 3])
+    write_shard(path, [BOS, 5, token, 3], vocab_size=2**16)  # what no data tool writes
     expected = f"{path}: token {token} at index 2 is >= vocab size 50257"
     for read in (lambda: train_gpt.load_shard(str(path)),
                  lambda: train_gpt.load_val_tokens([str(path)], 3),
@@ -177,7 +177,7 @@ def test_bad_shards_fail_with_one_line_naming_the_file(tmp_path, how, needle):
 
 def test_out_of_range_token_is_reported(tmp_path):
     path = tmp_path / "big.bin"
-    write_shard(path, [BOS, 5, 60000, 3])
+    write_shard(path, [BOS, 5, 60000, 3], vocab_size=2**16)
     with pytest.raises(train_gpt.DataError, match=r"big.bin: token 60000 at index 2 is >= vocab size 50257"):
         train_gpt.load_shard(str(path))
 
