@@ -28,6 +28,7 @@ the stdlib may differ too).
 """
 
 import ast
+import errno
 import hashlib
 import io
 import json
@@ -39,12 +40,14 @@ import re
 import shutil
 import sys
 import sysconfig
+import tempfile
 import tokenize
 import warnings
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cli_util import OneLineArgumentParser, fail  # noqa: E402
+from cli_util import (OneLineArgumentParser, exit_status, fail, leave_signals_to_the_parent,  # noqa: E402
+                      stopped_by_signals)
 from fineweb import BuildError, get_gpt2_encoding, sha256_of, tokenize_to_shards  # noqa: E402
 from shards import ShardError, shard_name  # noqa: E402
 
@@ -195,7 +198,7 @@ def collect_sources(limit=None, workers=1):
     root = stdlib_root()
     paths = stdlib_files(root)[:limit]
     if workers > 1:
-        with multiprocessing.Pool(workers) as pool:
+        with multiprocessing.Pool(workers, leave_signals_to_the_parent) as pool:
             per_module = pool.map(module_paragraphs, paths, chunksize=8)
     else:
         per_module = [module_paragraphs(path) for path in paths]
@@ -246,15 +249,17 @@ def build_sample(out_dir=SAMPLE_DIR, limit=None, workers=None, overwrite=False, 
     present = [p for p in targets if p.exists()]
     if present and not overwrite:
         raise BuildError(f"{present[0]} already exists; pass --overwrite to replace the sample, or use --out")
-    scratch = out_dir / ".build"   # made first: an --out that cannot be written fails before the build
-    shutil.rmtree(scratch, ignore_errors=True)
     made = [d for d in (out_dir, *out_dir.parents) if not d.exists()]  # deepest first
+    scratch = manifest = None
     try:
-        scratch.mkdir(parents=True)
-    except OSError as e:
-        raise BuildError(f"--out {out_dir}: cannot create a folder there ({e.strerror or e})") from None
-    manifest = None
-    try:
+        try:  # made first: an --out that cannot be written fails before the build. Its own name: a
+            # .build folder of someone else's in --out is not this build's to remove.
+            if out_dir.exists() and not out_dir.is_dir():
+                raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
+            out_dir.mkdir(parents=True, exist_ok=True)
+            scratch = Path(tempfile.mkdtemp(prefix=".build-", dir=out_dir))
+        except OSError as e:
+            raise BuildError(f"--out {out_dir}: cannot create a folder there ({e.strerror or e})") from None
         encoding = get_gpt2_encoding()
         sources = collect_sources(limit, workers or os.cpu_count() or 1)
         total_chars = sum(len(d) for _, docs in sources for d in docs)
@@ -280,7 +285,8 @@ def build_sample(out_dir=SAMPLE_DIR, limit=None, workers=None, overwrite=False, 
             os.replace(path, out_dir / path.name)
         os.replace(scratch / MANIFEST, out_dir / MANIFEST)
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
         if manifest is None:  # failed (an error, Ctrl-C): the folders this build made go too
             for folder in made:
                 try:
@@ -333,9 +339,12 @@ def main(argv=None):
         if value is not None and value < 1:
             parser.error(f"{option} must be a positive integer, got {value}")
     try:
-        manifest = build_sample(args.out, args.limit, args.workers, args.overwrite)
+        with stopped_by_signals():
+            manifest = build_sample(args.out, args.limit, args.workers, args.overwrite)
     except (BuildError, ShardError) as error:
         fail(str(error))
+    except KeyboardInterrupt as interruption:
+        fail(f"interrupted; {args.out} is as it was", exit_status(interruption))
     for shard in manifest["shards"]:
         print(f"{args.out / shard['file']}: {shard['tokens']:,} tokens, {shard['documents']} documents, "
               f"{shard['bytes']:,} bytes")

@@ -17,20 +17,28 @@ line saying what failed and how to retry; files already complete are kept.
 """
 
 import argparse
+import errno
 import os
 import shutil
 import sys
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cli_util import OneLineArgumentParser, fail, first_line  # noqa: E402
-from shards import ShardError, read_header, read_shard, shard_name  # noqa: E402
+from cli_util import OneLineArgumentParser, exit_status, fail, first_line, stopped_by_signals  # noqa: E402
+
+try:  # the shard checks are train_gpt.py's, which imports torch
+    from shards import ShardError, read_header, read_shard, shard_name, shard_nbytes
+except ImportError as missing:
+    fail(f"the shard checks need {missing.name}, as train_gpt.py does: pip install -r requirements.txt")
 
 REPO_ID = "kjj0/fineweb10B-gpt2"
 DEFAULT_TRAIN_SHARDS = 9  # enough tokens for one speedrun
 MAX_TRAIN_SHARDS = 103  # train shards in the repo
 DEST_DIR = Path(__file__).resolve().parent / "fineweb10B"
 STAGING_NAME = ".download"
+SHARD_TOKENS = 100_000_000  # every shard of the repo but the last train shard
+# An OSError with one of these is the disk's or the folder's, not the network's
+DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM}
 
 
 class DownloadError(RuntimeError):
@@ -79,6 +87,11 @@ def download_shards(names, dest_dir=DEST_DIR, fetch=hf_fetch, log=print):
     dest_dir = Path(dest_dir)
     staging_dir = dest_dir / STAGING_NAME
     dest_dir.mkdir(parents=True, exist_ok=True)
+    missing = [name for name in names if not _complete(dest_dir / name)]
+    needed, free = len(missing) * shard_nbytes(SHARD_TOKENS), shutil.disk_usage(dest_dir).free
+    if needed > free:  # now, not at a full disk minutes into the download
+        raise DownloadError(f"{dest_dir}: {len(missing)} files to download need {needed / 1e9:.1f} GB, "
+                            f"{free / 1e9:.1f} GB are free; free space or ask for fewer shards")
     paths = []
     for number, name in enumerate(names, 1):
         final = dest_dir / name
@@ -99,6 +112,8 @@ def download_shards(names, dest_dir=DEST_DIR, fetch=hf_fetch, log=print):
         except DownloadError:
             raise
         except Exception as error:
+            if isinstance(error, OSError) and error.errno in DISK_ERRNOS:
+                raise  # main() says it is the disk's
             if _offline():
                 how = "HF_HUB_OFFLINE is set: unset it and rerun to download"
             else:
@@ -111,9 +126,18 @@ def download_shards(names, dest_dir=DEST_DIR, fetch=hf_fetch, log=print):
                 fetched.unlink()  # or huggingface_hub would hand back the same bad file on retry
             raise DownloadError(f"downloaded file is not a valid shard: {error}; rerun to fetch it again") from None
         _place(fetched, final, staging_dir)
-    # only huggingface_hub's bookkeeping is left in staging once every file is in place
+    # Every file is in place: what staging holds is huggingface_hub's bookkeeping, and any partial
+    # download of a file this run did not ask for (a larger run's, interrupted), fetched anew if asked
     shutil.rmtree(staging_dir, ignore_errors=True)
     return paths
+
+
+def _complete(path):
+    try:
+        read_header(path)
+        return True
+    except ShardError:  # absent, truncated or damaged
+        return False
 
 
 def _train_shard_count(text):
@@ -134,11 +158,12 @@ def main(argv=None, fetch=hf_fetch, dest_dir=DEST_DIR):
                         help=f"number of train shards, 1..{MAX_TRAIN_SHARDS} (default {DEFAULT_TRAIN_SHARDS})")
     args = parser.parse_args(argv)
     try:
-        paths = download_shards(shard_names(args.N), dest_dir, fetch)
+        with stopped_by_signals():
+            paths = download_shards(shard_names(args.N), dest_dir, fetch)
     except (DownloadError, ShardError) as error:
         fail(str(error))
-    except KeyboardInterrupt:
-        fail("interrupted; rerun the same command to resume (finished files are kept)", 130)
+    except KeyboardInterrupt as interruption:
+        fail("interrupted; rerun the same command to resume (finished files are kept)", exit_status(interruption))
     except OSError as error:  # a full disk, a read-only folder, ...
         where = f"{error.filename}: " if error.filename else ""
         fail(f"{where}{error.strerror or error}; free space or fix permissions, then rerun (finished files are kept)")

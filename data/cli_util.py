@@ -1,6 +1,8 @@
 """Small helpers shared by the data and bench scripts so every error is reported the same way: one line."""
 
 import argparse
+import contextlib
+import signal
 import sys
 
 
@@ -43,3 +45,42 @@ def first_line(error):
     """'ExceptionType: first line of its message', for one-line reports of foreign exceptions."""
     lines = str(error).strip().splitlines()
     return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised like Ctrl-C's KeyboardInterrupt so that clean-ups run."""
+
+    def __init__(self, signum):
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def stopped_by_signals():
+    """Meanwhile SIGTERM and SIGHUP (scancel, a closed terminal) raise Stopped, as Ctrl-C raises
+    KeyboardInterrupt: `finally` blocks remove scratch files and main() reports it in one line,
+    where the default action would end the script silently and leave them. Main thread only."""
+    def stop(signum, frame):
+        raise Stopped(signum)
+    previous = {}
+    try:
+        for signum in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+            if signum is not None:
+                previous[signum] = signal.getsignal(signum)
+                signal.signal(signum, stop)
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def exit_status(interruption):
+    """128 + the signal's number, as a shell reports a process a signal ended (130 for Ctrl-C)."""
+    return 128 + getattr(interruption, "signum", signal.SIGINT)
+
+
+def leave_signals_to_the_parent():
+    """Pool initializer: a worker ignores Ctrl-C and dies of SIGTERM as by default, so that its
+    parent reports an interruption once (the workers printed a traceback each)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -28,13 +28,15 @@ import os
 import re
 import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numpy as np  # noqa: E402
-from cli_util import OneLineArgumentParser, fail, first_line  # noqa: E402
-from shards import BOS, GPT2_VOCAB_SIZE, ShardError, shard_name, train_gpt, write_shard  # noqa: E402
+from cli_util import (OneLineArgumentParser, exit_status, fail, first_line, leave_signals_to_the_parent,  # noqa: E402
+                      stopped_by_signals)
+from shards import BOS, GPT2_VOCAB_SIZE, MAX_TOKENS, ShardError, shard_name, train_gpt, write_shard  # noqa: E402
 
 DEFAULT_SHARD_SIZE = 100_000_000  # tokens; the size of the public FineWeb shards
 DATA_DIR = Path(__file__).resolve().parent
@@ -46,6 +48,10 @@ GPT2_CHECK = ("Hello world", [15496, 995])
 
 class BuildError(RuntimeError):
     """A problem the user can fix (missing package, existing output, no network); one-line message."""
+
+
+class DownloadFailed(BuildError):
+    """A raw file could not be downloaded while the shards were being written."""
 
 
 # ---------------------------------------------------------------- tokenizer
@@ -77,6 +83,11 @@ _worker_encoding = None
 def _init_worker(encoding):
     global _worker_encoding
     _worker_encoding = encoding
+
+
+def _init_pool_worker(encoding):
+    leave_signals_to_the_parent()
+    _init_worker(encoding)
 
 
 def _tokenize_document(text):
@@ -127,11 +138,16 @@ def tokenize_to_shards(documents, out_dir, prefix, shard_size=DEFAULT_SHARD_SIZE
     workers > 1 tokenizes in that many processes (order is preserved, so the
     output does not depend on it). max_shards stops after that many shards,
     dropping the rest of the input. Existing shards of this prefix with index
-    >= first_index are an error unless overwrite, in which case those not
-    rewritten are removed at the end. Returns [(path, token_count), ...].
+    >= first_index are an error unless overwrite. With overwrite the new shards
+    are built in a scratch folder inside out_dir and replace the old ones only
+    once all are written: a build that fails leaves out_dir as it was (a mix of
+    old and new shards, each valid, would pass every check, and the old ones
+    could hold the new validation text). That needs room for both sets.
+    Without overwrite a failed build leaves the shards it finished, all
+    complete. Returns [(path, token_count), ...].
     """
-    if not isinstance(shard_size, int) or shard_size < 1:
-        raise ValueError(f"shard_size must be a positive int, got {shard_size!r}")
+    if not isinstance(shard_size, int) or not 1 <= shard_size <= MAX_TOKENS:
+        raise ValueError(f"shard_size must be an int from 1 to {MAX_TOKENS}, got {shard_size!r}")
     workers = (os.cpu_count() or 1) if workers is None else workers
     if not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers must be a positive int, got {workers!r}")
@@ -151,21 +167,25 @@ def tokenize_to_shards(documents, out_dir, prefix, shard_size=DEFAULT_SHARD_SIZE
     buffer = np.empty(shard_size, dtype=np.uint16)
     fill = 0
     started = time.perf_counter()
+    build_dir = out_dir
 
     def flush():
         nonlocal fill
-        path = out_dir / shard_name(prefix, first_index + len(written))
+        path = build_dir / shard_name(prefix, first_index + len(written))
         write_shard(path, buffer[:fill])
         written.append((path, fill))
         log(f"{path}: {fill:,} tokens ({time.perf_counter() - started:.1f} s so far)")
         fill = 0
 
     with contextlib.ExitStack() as stack:
+        if overwrite:  # removed however the build ends; the shards leave it only when all are written
+            build_dir = Path(tempfile.mkdtemp(prefix=f".{prefix}-build-", dir=out_dir))
+            stack.callback(shutil.rmtree, build_dir, ignore_errors=True)
         if workers == 1:
             _init_worker(encoding)
             token_arrays = map(_tokenize_document, _checked_documents(documents))
         else:
-            pool = stack.enter_context(multiprocessing.Pool(workers, _init_worker, (encoding,)))
+            pool = stack.enter_context(multiprocessing.Pool(workers, _init_pool_worker, (encoding,)))
             token_arrays = pool.imap(_tokenize_document, _checked_documents(documents), chunksize=16)
         for tokens in token_arrays:
             pos = 0
@@ -182,12 +202,17 @@ def tokenize_to_shards(documents, out_dir, prefix, shard_size=DEFAULT_SHARD_SIZE
                 break
         if fill:  # the last, partial shard
             flush()
-
-    rewritten = {path for path, _ in written}
-    for path in previous:
-        if path not in rewritten:
-            path.unlink()
-            log(f"{path}: removed (left over from an earlier build)")
+        if build_dir != out_dir:
+            rewritten = {path.name for path, _ in written}
+            for path in previous:
+                path.unlink()
+                if path.name not in rewritten:
+                    log(f"{path}: removed (left over from an earlier build)")
+            placed = []
+            for path, count in written:
+                os.replace(path, out_dir / path.name)
+                placed.append((out_dir / path.name, count))
+            written = placed
     return written
 
 
@@ -236,8 +261,8 @@ def iter_fineweb_documents(repo_files, raw_dir, keep_raw=False, log=print):
         try:
             local = huggingface_hub.hf_hub_download(FINEWEB_REPO, repo_path, repo_type="dataset", local_dir=raw_dir)
         except Exception as error:
-            raise BuildError(f"cannot download {FINEWEB_REPO}/{repo_path} ({first_line(error)}); the shards "
-                             "written so far are complete; rerun with --overwrite to rebuild") from None
+            raise DownloadFailed(f"cannot download {FINEWEB_REPO}/{repo_path} ({first_line(error)}); "
+                                 "check the network") from None
         yield from iter_parquet_texts(local)
         if not keep_raw:
             os.remove(local)
@@ -253,23 +278,39 @@ def main(argv=None):
                         help="tokenizer processes (default: all CPUs)")
     parser.add_argument("--max-shards", type=int, default=None, help="stop after this many shards (val included)")
     parser.add_argument("--keep-raw", action="store_true", help="keep the downloaded parquet files")
-    parser.add_argument("--overwrite", action="store_true", help="replace existing fineweb_*.bin shards")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace existing fineweb_*.bin shards once the new set is complete (room for both)")
     args = parser.parse_args(argv)
     for option, value in (("--shard-size", args.shard_size), ("--workers", args.workers),
                           ("--max-shards", args.max_shards)):
         if value is not None and value < 1:
             parser.error(f"{option} must be a positive integer, got {value}")
+    if args.shard_size > MAX_TOKENS:
+        parser.error(f"--shard-size must be at most {MAX_TOKENS} (a shard's count is an int32), got {args.shard_size}")
     out_dir = args.out or DATA_DIR / f"fineweb{args.version}"
+    if out_dir.exists() and not out_dir.is_dir():
+        parser.error(f"--out {out_dir}: not a folder")
+    # What a failure leaves, said with it (checked before the network: nothing is written before).
+    left = (f"nothing in {out_dir} was changed" if args.overwrite else
+            "the shards written so far are complete (rerun with --overwrite to rebuild them all)")
     try:
-        encoding = get_gpt2_encoding()
-        if not args.overwrite:
-            check_no_existing_shards(out_dir, "fineweb")
-        repo_files = list_fineweb_files(args.version)
-        documents = iter_fineweb_documents(repo_files, out_dir / ".raw", keep_raw=args.keep_raw)
-        written = tokenize_to_shards(documents, out_dir, "fineweb", args.shard_size, args.workers,
-                                     max_shards=args.max_shards, overwrite=args.overwrite, encoding=encoding)
+        with stopped_by_signals():
+            encoding = get_gpt2_encoding()
+            if not args.overwrite:
+                check_no_existing_shards(out_dir, "fineweb")
+            repo_files = list_fineweb_files(args.version)
+            documents = iter_fineweb_documents(repo_files, out_dir / ".raw", keep_raw=args.keep_raw)
+            written = tokenize_to_shards(documents, out_dir, "fineweb", args.shard_size, args.workers,
+                                         max_shards=args.max_shards, overwrite=args.overwrite, encoding=encoding)
+    except DownloadFailed as error:
+        fail(f"{error}; {left}")
     except (BuildError, ShardError) as error:
         fail(str(error))
+    except KeyboardInterrupt as interruption:
+        fail(f"interrupted; {left}", exit_status(interruption))
+    except OSError as error:  # a full disk, a read-only folder, ...
+        where = f"{error.filename}: " if error.filename else ""
+        fail(f"{where}{error.strerror or error}; {left}")
     if not args.keep_raw:
         shutil.rmtree(out_dir / ".raw", ignore_errors=True)  # only hf_hub_download's metadata is left there
     print(f"done: {len(written)} shards, {sum(n for _, n in written):,} tokens in {out_dir}")

