@@ -61,18 +61,13 @@ def stopped_by_signals():
     """Meanwhile SIGTERM and SIGHUP (scancel, a closed terminal) raise Stopped, as Ctrl-C raises
     KeyboardInterrupt: `finally` blocks remove scratch files and main() reports it in one line,
     where the default action would end the script silently and leave them. Main thread only."""
+    from shards import train_gpt  # the data tools import it anyway: its handler swap, not a second one
+
     def stop(signum, frame):
         raise Stopped(signum)
-    previous = {}
-    try:
-        for signum in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
-            if signum is not None:
-                previous[signum] = signal.getsignal(signum)
-                signal.signal(signum, stop)
+    signums = [signum for signum in (signal.SIGTERM, getattr(signal, "SIGHUP", None)) if signum is not None]
+    with train_gpt.signals_handled_by(stop, signums):
         yield
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
 
 
 def exit_status(interruption):
