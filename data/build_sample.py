@@ -46,8 +46,8 @@ import warnings
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cli_util import (OneLineArgumentParser, exit_status, fail, leave_signals_to_the_parent,  # noqa: E402
-                      stopped_by_signals)
+from cli_util import (OneLineArgumentParser, exit_status, fail, interruptions_held,  # noqa: E402
+                      leave_signals_to_the_parent, stop_pool, stopped_by_signals)
 from fineweb import BuildError, get_gpt2_encoding, sha256_of, tokenize_to_shards  # noqa: E402
 from shards import ShardError, shard_name  # noqa: E402
 
@@ -198,8 +198,11 @@ def collect_sources(limit=None, workers=1):
     root = stdlib_root()
     paths = stdlib_files(root)[:limit]
     if workers > 1:
-        with multiprocessing.Pool(workers, leave_signals_to_the_parent) as pool:
+        pool = multiprocessing.Pool(workers, leave_signals_to_the_parent)
+        try:
             per_module = pool.map(module_paragraphs, paths, chunksize=8)
+        finally:
+            stop_pool(pool)
     else:
         per_module = [module_paragraphs(path) for path in paths]
     seen = set()
@@ -281,9 +284,10 @@ def build_sample(out_dir=SAMPLE_DIR, limit=None, workers=None, overwrite=False, 
             raise BuildError(f"sample would be {total_bytes:,} bytes, over the {MAX_SAMPLE_BYTES:,} byte limit")
         manifest = _manifest(shards, limit, total_bytes)
         (scratch / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-        for (path, _), _ in shards:
-            os.replace(path, out_dir / path.name)
-        os.replace(scratch / MANIFEST, out_dir / MANIFEST)
+        with interruptions_held():  # a new val shard beside the old train shard would share text
+            for (path, _), _ in shards:
+                os.replace(path, out_dir / path.name)
+            os.replace(scratch / MANIFEST, out_dir / MANIFEST)
     finally:
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -344,7 +348,8 @@ def main(argv=None):
     except (BuildError, ShardError) as error:
         fail(str(error))
     except KeyboardInterrupt as interruption:
-        fail(f"interrupted; {args.out} is as it was", exit_status(interruption))
+        fail(f"interrupted; {args.out} " + ("holds the new sample, put in place first"
+             if getattr(interruption, "came_while_held", False) else "is as it was"), exit_status(interruption))
     for shard in manifest["shards"]:
         print(f"{args.out / shard['file']}: {shard['tokens']:,} tokens, {shard['documents']} documents, "
               f"{shard['bytes']:,} bytes")

@@ -17,19 +17,14 @@ line saying what failed and how to retry; files already complete are kept.
 """
 
 import argparse
-import errno
 import os
 import shutil
 import sys
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cli_util import OneLineArgumentParser, exit_status, fail, first_line, stopped_by_signals  # noqa: E402
-
-try:  # the shard checks are train_gpt.py's, which imports torch
-    from shards import ShardError, read_header, read_shard, shard_name, shard_nbytes
-except ImportError as missing:
-    fail(f"the shard checks need {missing.name}, as train_gpt.py does: pip install -r requirements.txt")
+from cli_util import DISK_ERRNOS, OneLineArgumentParser, exit_status, fail, first_line, stopped_by_signals  # noqa: E402
+from shards import ShardError, read_header, read_shard, shard_name, shard_nbytes  # noqa: E402
 
 REPO_ID = "kjj0/fineweb10B-gpt2"
 DEFAULT_TRAIN_SHARDS = 9  # enough tokens for one speedrun
@@ -37,8 +32,6 @@ MAX_TRAIN_SHARDS = 103  # train shards in the repo
 DEST_DIR = Path(__file__).resolve().parent / "fineweb10B"
 STAGING_NAME = ".download"
 SHARD_TOKENS = 100_000_000  # every shard of the repo but the last train shard
-# An OSError with one of these is the disk's or the folder's, not the network's
-DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM}
 
 
 class DownloadError(RuntimeError):

@@ -2,9 +2,12 @@
 
 import argparse
 import contextlib
+import errno
+import multiprocessing
 import os
 import signal
 import sys
+import threading
 
 
 class OneLineArgumentParser(argparse.ArgumentParser):
@@ -62,8 +65,13 @@ def stopped_by_signals():
     KeyboardInterrupt: `finally` blocks remove scratch files and main() reports it in one line,
     where the default action would end the script silently and leave them. Main thread only."""
     from shards import train_gpt  # the data tools import it anyway: its handler swap, not a second one
+    owner = os.getpid()
 
     def stop(signum, frame):
+        if os.getpid() != owner:  # a pool worker forked before its initializer ran: ends as by default
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
         raise Stopped(signum)
     signums = [signum for signum in (signal.SIGTERM, getattr(signal, "SIGHUP", None)) if signum is not None]
     with train_gpt.signals_handled_by(stop, signums):
@@ -75,12 +83,46 @@ def exit_status(interruption):
     return 128 + getattr(interruption, "signum", signal.SIGINT)
 
 
+# An OSError with one of these is the disk's or the folder's to fix, not the network's
+DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM}
+INTERRUPTIONS = [signum for signum in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None))
+                 if signum is not None]
+
+
+@contextlib.contextmanager
+def interruptions_held():
+    """Ctrl-C, SIGTERM and SIGHUP wait until the block is done, for a few renames that must not stop
+    halfway; one that came meanwhile is raised at the end, marked came_while_held. (Handlers that
+    take note, not a blocked signal mask: torch's threads would take a process's signal for it.)"""
+    from shards import train_gpt  # the data tools import it anyway
+    came = []
+    with train_gpt.signals_handled_by(lambda signum, frame: came.append(signum), INTERRUPTIONS):
+        yield
+    if came:
+        interruption = KeyboardInterrupt() if came[0] == signal.SIGINT else Stopped(came[0])
+        interruption.came_while_held = True
+        raise interruption
+
+
 def leave_signals_to_the_parent():
-    """Pool initializer: a worker leaves the terminal's process group, so that Ctrl-C or a signal
-    to the whole group reaches only its parent, which reports it once and stops the pool in order.
-    (Workers that took the signal themselves printed a traceback each on Ctrl-C, and ended by a
-    SIGTERM of their own they could leave the parent's clean-up waiting for them forever.)"""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # where there are no process groups
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the pool's own, to stop it: not the parent's handler
-    if hasattr(os, "setpgid"):
-        os.setpgid(0, 0)
+    """Pool initializer: a worker ignores Ctrl-C and SIGHUP, which reach its parent too (at a terminal
+    the whole process group gets them): the parent reports them once and stops the pool (the workers
+    printed a traceback each, and one that died alone of a SIGHUP lost its task, leaving the build
+    waiting for it forever). SIGTERM ends a worker as by default: it is how the pool stops them."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if hasattr(signal, "SIGHUP"):
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def stop_pool(pool, seconds=5.0):
+    """pool.terminate(), but bounded: a worker killed while it held one of the pool's locks (scancel
+    and systemd signal every process, workers included) leaves terminate() waiting forever. After
+    `seconds` the process's children (the pool's workers: the data tools start no others) are
+    killed and terminate() is left behind in its daemon thread."""
+    stopping = threading.Thread(target=pool.terminate, daemon=True)
+    stopping.start()
+    stopping.join(seconds)
+    if stopping.is_alive():
+        for child in multiprocessing.active_children():
+            child.kill()

@@ -34,8 +34,8 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numpy as np  # noqa: E402
-from cli_util import (OneLineArgumentParser, exit_status, fail, first_line, leave_signals_to_the_parent,  # noqa: E402
-                      stopped_by_signals)
+from cli_util import (DISK_ERRNOS, OneLineArgumentParser, exit_status, fail, first_line,  # noqa: E402
+                      interruptions_held, leave_signals_to_the_parent, stop_pool, stopped_by_signals)
 from shards import BOS, GPT2_VOCAB_SIZE, MAX_TOKENS, ShardError, shard_name, train_gpt, write_shard  # noqa: E402
 
 DEFAULT_SHARD_SIZE = 100_000_000  # tokens; the size of the public FineWeb shards
@@ -185,7 +185,8 @@ def tokenize_to_shards(documents, out_dir, prefix, shard_size=DEFAULT_SHARD_SIZE
             _init_worker(encoding)
             token_arrays = map(_tokenize_document, _checked_documents(documents))
         else:
-            pool = stack.enter_context(multiprocessing.Pool(workers, _init_pool_worker, (encoding,)))
+            pool = multiprocessing.Pool(workers, _init_pool_worker, (encoding,))
+            stack.callback(stop_pool, pool)
             token_arrays = pool.imap(_tokenize_document, _checked_documents(documents), chunksize=16)
         for tokens in token_arrays:
             pos = 0
@@ -202,17 +203,18 @@ def tokenize_to_shards(documents, out_dir, prefix, shard_size=DEFAULT_SHARD_SIZE
                 break
         if fill:  # the last, partial shard
             flush()
-        if build_dir != out_dir:
-            rewritten = {path.name for path, _ in written}
-            for path in previous:
-                path.unlink()
-                if path.name not in rewritten:
-                    log(f"{path}: removed (left over from an earlier build)")
-            placed = []
-            for path, count in written:
-                os.replace(path, out_dir / path.name)
-                placed.append((out_dir / path.name, count))
-            written = placed
+        if build_dir != out_dir:  # the old set out, the new one in; not to be stopped halfway
+            with interruptions_held():
+                rewritten = {path.name for path, _ in written}
+                for path in previous:
+                    path.unlink()
+                    if path.name not in rewritten:
+                        log(f"{path}: removed (left over from an earlier build)")
+                placed = []
+                for path, count in written:
+                    os.replace(path, out_dir / path.name)
+                    placed.append((out_dir / path.name, count))
+                written = placed
     return written
 
 
@@ -261,6 +263,8 @@ def iter_fineweb_documents(repo_files, raw_dir, keep_raw=False, log=print):
         try:
             local = huggingface_hub.hf_hub_download(FINEWEB_REPO, repo_path, repo_type="dataset", local_dir=raw_dir)
         except Exception as error:
+            if isinstance(error, OSError) and error.errno in DISK_ERRNOS:
+                raise  # main() says it is the disk's
             raise DownloadFailed(f"cannot download {FINEWEB_REPO}/{repo_path} ({first_line(error)}); "
                                  "check the network") from None
         yield from iter_parquet_texts(local)
@@ -307,6 +311,8 @@ def main(argv=None):
     except (BuildError, ShardError) as error:
         fail(str(error))
     except KeyboardInterrupt as interruption:
+        if getattr(interruption, "came_while_held", False):  # as the finished set was put in place
+            left = f"the new shards were all in place in {out_dir} first"
         fail(f"interrupted; {left}", exit_status(interruption))
     except OSError as error:  # a full disk, a read-only folder, ...
         where = f"{error.filename}: " if error.filename else ""

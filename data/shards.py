@@ -29,7 +29,11 @@ import numpy as np
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO not in sys.path:
     sys.path.append(_REPO)
-import train_gpt  # noqa: E402
+try:
+    import train_gpt  # noqa: E402
+except ImportError as missing:  # the data tools' scripts end in one line, not a traceback
+    raise SystemExit(f"error: the shard checks are train_gpt.py's, which needs {missing.name or missing}: "
+                     "pip install -r requirements.txt") from None
 
 MAGIC = train_gpt.SHARD_MAGIC
 VERSION = train_gpt.SHARD_VERSION
@@ -78,9 +82,9 @@ def write_shard(path, tokens, vocab_size=GPT2_VOCAB_SIZE):
         if low < 0 or high > 65535:
             bad = low if low < 0 else high
             raise ShardError(f"{path}: token {bad} cannot be stored as uint16 (valid range 0..65535)")
-        if high >= vocab_size:  # the readers' rule and wording
-            raise ShardError(f"{path}: token {high} at index {int(np.argmax(arr >= vocab_size))} is >= vocab size "
-                             f"{vocab_size}")
+        if high >= vocab_size:  # the readers' rule and wording: the first such token
+            first = int(np.argmax(arr >= vocab_size))
+            raise ShardError(f"{path}: token {int(arr[first])} at index {first} is >= vocab size {vocab_size}")
     header = np.zeros(HEADER_INTS, dtype=_HEADER_DTYPE)
     header[0], header[1], header[2] = MAGIC, VERSION, arr.size
     directory = os.path.dirname(path) or "."

@@ -80,6 +80,12 @@ def test_write_refuses_out_of_range_tokens(tmp_path, bad):
     assert [p.name for p in tmp_path.iterdir()] == ["x.bin"]
 
 
+def test_write_names_the_first_token_out_of_the_vocabulary_as_the_readers_do(tmp_path):
+    with pytest.raises(ShardError) as info:
+        write_shard(tmp_path / "x.bin", [1, 50300, 60000])
+    assert str(info.value) == f"{tmp_path / 'x.bin'}: token 50300 at index 1 is >= vocab size 50257"
+
+
 def test_write_refuses_non_integer_and_2d(tmp_path):
     with pytest.raises(ShardError):
         write_shard(tmp_path / "f.bin", [1.5, 2.0])
@@ -252,6 +258,28 @@ def test_a_failed_overwrite_leaves_the_old_shards_whole(tmp_path, gpt2):
     with pytest.raises(fineweb.DownloadFailed):
         fineweb.tokenize_to_shards(cut_off(), tmp_path, "toy", shard_size=60, overwrite=True, **quiet)
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # and no scratch folder left
+
+
+def test_ctrl_c_while_the_new_shards_go_in_waits_for_the_last(tmp_path, gpt2, monkeypatch, capsys):
+    """The old set removed, the new one half moved in: a Ctrl-C there left part of a set (and said
+    nothing had changed). It now acts once every new shard is in place, and says so."""
+    out = tmp_path / "out"
+    fineweb.tokenize_to_shards(DOCS * 3, out, "fineweb", shard_size=20, encoding=gpt2, log=lambda _: None, workers=1)
+    replace, moves = os.replace, []
+
+    def ctrl_c_at_the_second_move(source, target):
+        if Path(target).parent == out:  # the moves into place, not write_shard's own renames
+            moves.append(Path(target))
+            if len(moves) == 2:
+                os.kill(os.getpid(), signal.SIGINT)
+        replace(source, target)
+    monkeypatch.setattr(fineweb.os, "replace", ctrl_c_at_the_second_move)
+    code, err = fineweb_main(["--out", str(out), "--shard-size", "50", "--overwrite"], monkeypatch, capsys, gpt2,
+                             iter(DOCS * 3))
+    assert (code, err) == (130, f"error: interrupted; the new shards were all in place in {out} first\n")
+    assert sorted(out.glob("fineweb_*.bin")) == sorted(moves) and len(moves) > 2
+    in_order = sorted(moves, key=lambda path: path.name.rsplit("_", 1)[1])  # val_000000, train_000001, ...
+    assert np.concatenate([read_shard(path) for path in in_order]).tolist() == expected_stream(gpt2, DOCS * 3)
 
 
 def fineweb_main(argv, monkeypatch, capsys, gpt2, documents):
@@ -519,6 +547,7 @@ def test_sample_builder_is_deterministic(tmp_path, gpt2):
     assert sorted(p.name for p in (tmp_path / "a").iterdir()) == files  # no scratch dir left
 
 
+@pytest.mark.skipif(sys.platform == "win32", reason="a SIGTERM to itself would end the test run there")
 def test_sample_builder_leaves_a_build_folder_of_someone_else_and_ends_a_sigterm_in_one_line(
         tmp_path, monkeypatch, capsys):
     out = tmp_path / "project"
@@ -565,6 +594,7 @@ fineweb.main(["--out", {out!r}, "--shard-size", "5000", "--workers", "2"])
 """
 
 
+@pytest.mark.skipif(not hasattr(os, "killpg"), reason="POSIX process groups")
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_to_the_whole_group_ends_a_pool_build_in_one_line(tmp_path, gpt2, signum):
     """Ctrl-C at a terminal (or kill -TERM -PGID) signals the script and its tokenizer processes: one
