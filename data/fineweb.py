@@ -295,7 +295,7 @@ def main(argv=None):
     if out_dir.exists() and not out_dir.is_dir():
         parser.error(f"--out {out_dir}: not a folder")
     # What a failure leaves, said with it (checked before the network: nothing is written before).
-    left = (f"nothing in {out_dir} was changed" if args.overwrite else
+    left = (f"the shards in {out_dir} are as they were" if args.overwrite else
             "the shards written so far are complete (rerun with --overwrite to rebuild them all)")
     try:
         with stopped_by_signals():

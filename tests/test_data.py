@@ -300,14 +300,14 @@ def test_fineweb_says_in_one_line_what_a_failure_or_ctrl_c_left(tmp_path, gpt2, 
         yield from DOCS * 3
         raise error
     argv = ["--out", str(out), "--shard-size", "40"] + ["--overwrite"] * overwrite
-    left = (f"nothing in {out} was changed" if overwrite else
+    left = (f"the shards in {out} are as they were" if overwrite else
             "the shards written so far are complete (rerun with --overwrite to rebuild them all)")
     code, err = fineweb_main(argv, monkeypatch, capsys, gpt2, docs_then(KeyboardInterrupt()))
     assert (code, err) == (130, f"error: interrupted; {left}\n")
     code, err = fineweb_main(argv + ["--overwrite"] * (not overwrite), monkeypatch, capsys, gpt2,
                              docs_then(fineweb.DownloadFailed("cannot download raw.parquet (OSError: x); check the "
                                                               "network")))
-    assert code == 1 and err.endswith(f"; check the network; nothing in {out} was changed\n")  # --overwrite
+    assert code == 1 and err.endswith(f"; check the network; the shards in {out} are as they were\n")  # --overwrite
     assert err.count("\n") == 1
     shards_left = sorted(out.glob("*.bin"))
     assert bool(shards_left) != overwrite and all(read_shard(path).size for path in shards_left)
