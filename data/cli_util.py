@@ -51,6 +51,12 @@ def first_line(error):
     return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
 
 
+# An OSError with one of these is the disk's or the folder's to fix, not the network's
+DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM}
+INTERRUPTIONS = [signum for signum in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None))
+                 if signum is not None]
+
+
 class Stopped(KeyboardInterrupt):
     """SIGTERM or SIGHUP, raised like Ctrl-C's KeyboardInterrupt so that clean-ups run."""
 
@@ -73,20 +79,13 @@ def stopped_by_signals():
             os.kill(os.getpid(), signum)
             return
         raise Stopped(signum)
-    signums = [signum for signum in (signal.SIGTERM, getattr(signal, "SIGHUP", None)) if signum is not None]
-    with train_gpt.signals_handled_by(stop, signums):
+    with train_gpt.signals_handled_by(stop, [signum for signum in INTERRUPTIONS if signum != signal.SIGINT]):
         yield
 
 
 def exit_status(interruption):
     """128 + the signal's number, as a shell reports a process a signal ended (130 for Ctrl-C)."""
     return 128 + getattr(interruption, "signum", signal.SIGINT)
-
-
-# An OSError with one of these is the disk's or the folder's to fix, not the network's
-DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM}
-INTERRUPTIONS = [signum for signum in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None))
-                 if signum is not None]
 
 
 @contextlib.contextmanager
