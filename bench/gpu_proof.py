@@ -2,6 +2,7 @@
 of train_gpt.py works, and how fast it is.
 
     python bench/gpu_proof.py --out DIR [--phases env,correct,kernels,train,peer] [--steps N]
+    python bench/gpu_proof.py --out DIR --phases env,warm     # then, on the same machine: env,peer,train
     python bench/gpu_proof.py --cpu-smoke --out DIR          # every phase at tiny sizes on CPU
     python bench/gpu_proof.py --merge A/report.json B/report.json ... [--out DIR]
 
@@ -15,6 +16,9 @@ writes DIR/report.md (tables to read) and DIR/report.json (the same figures). Ph
   kernels  ms and TFLOP/s of orthogonalizing the speedrun's Muon stacks (the work of one rank at
            1 and at 8 GPUs), every ns_method on the Triton and on the torch.compile'd torch
            backend, and the ratio to compiled torch Newton-Schulz
+  warm     (only when named) ours and the peer compiled at once, untimed, so that the train and peer
+           phases after it, in this command or the next on the same machine, start from warm
+           compilation caches; the autotuning results these runs leave are removed
   train    train_gpt.py, speedrun preset, 1 GPU (its micro-batches accumulated), N steps on a
            timing dataset written here: start-up seconds, steady ms/step over steps 20..N, peak
            memory, val loss at the start and the end, recompiles and graph breaks, and a profile
@@ -53,11 +57,15 @@ import traceback
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAINER = os.path.join(REPO_ROOT, "train_gpt.py")
 PROFILER = os.path.join(REPO_ROOT, "bench", "profile_step.py")
-PHASES = ("env", "correct", "kernels", "train", "peer")
+PHASES = ("env", "correct", "kernels", "warm", "train", "peer")
+DEFAULT_PHASES = ("env", "correct", "kernels", "train", "peer")   # warm only when named
 CPU_PHASES = ("env",)                # what runs without a GPU (it records that there is none)
 # Seconds per phase on a GPU: env+correct+kernels, train, and peer each fit one 10-minute command.
-BUDGET_S = {"env": 40, "correct": 250, "kernels": 240, "train": 530, "peer": 530}
-SMOKE_BUDGET_S = {"env": 60, "correct": 120, "kernels": 120, "train": 180, "peer": 60}
+BUDGET_S = {"env": 40, "correct": 250, "kernels": 240, "warm": 540, "train": 530, "peer": 530}
+SMOKE_BUDGET_S = {"env": 60, "correct": 120, "kernels": 120, "warm": 120, "train": 180, "peer": 60}
+# The warm phase runs ours and the peer at once only where both fit in the GPU's memory: on an
+# H100 their peaks (33,480 and 47,700 MiB reserved) add up to more than its 79 GiB.
+WARM_TOGETHER_MIN_GIB = 100
 STEADY_FROM = 20                     # steady ms/step is measured over steps STEADY_FROM..N
 SMOKE_STEADY_FROM = 3                # (tiny CPU runs: steps 3..N)
 # Profiled steps A+1..B of the main and peer runs: past warmup and the first compilations, and over
@@ -89,9 +97,10 @@ class OneLineParser(argparse.ArgumentParser):
 def parse_args(argv):
     p = OneLineParser(prog="gpu_proof.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", help="folder for report.md, report.json, data and logs (must not hold a report yet)")
-    p.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated subset of {','.join(PHASES)}")
+    p.add_argument("--phases", default=",".join(DEFAULT_PHASES),
+                   help=f"comma-separated subset of {','.join(PHASES)} (default {','.join(DEFAULT_PHASES)})")
     p.add_argument("--steps", type=int, default=None, help="training steps of the main and peer runs (default 60; "
-                   "24 with --cpu-smoke)")
+                   "4 with --cpu-smoke)")
     p.add_argument("--variant-steps", type=int, default=None,
                    help="training steps of the runs of the other ns_methods (default min(steps, 30))")
     p.add_argument("--ns-methods", default=None,
@@ -135,7 +144,7 @@ def parse_args(argv):
     if unknown or not phases:
         p.error(f"--phases={opts.phases!r}: unknown phase {unknown[0] if unknown else '(none)'}; "
                 f"expected a subset of {','.join(PHASES)}")
-    opts.phases = [x for x in PHASES if x in phases]
+    opts.phases = list(dict.fromkeys(phases))   # in the order given: a short lease runs the one it lacks first
     opts.steady_from = SMOKE_STEADY_FROM if opts.cpu_smoke else STEADY_FROM
     if opts.steps is None:
         opts.steps = 4 if opts.cpu_smoke else 60
@@ -198,8 +207,9 @@ def parse_args(argv):
         p.error(f"--peer={opts.peer}: no such file")
     if opts.peer is None and os.path.isfile(os.path.join(REPO_ROOT, DEFAULT_PEER)):
         opts.peer = os.path.join(REPO_ROOT, DEFAULT_PEER)
-    if "peer" in opts.phases and opts.peer is None and not opts.cpu_smoke:
-        p.error(f"--phases includes peer but no peer script was given and {DEFAULT_PEER} does not exist: copy "
+    needs_peer = [x for x in ("warm", "peer") if x in opts.phases]
+    if needs_peer and opts.peer is None and not opts.cpu_smoke:
+        p.error(f"--phases includes {needs_peer[0]} but no peer script was given and {DEFAULT_PEER} does not exist: copy "
                 "../shared/peers/modded-nanogpt_9d9dc969_train_gpt.py there or pass --peer PATH")
     if opts.peer:
         opts.peer = os.path.abspath(opts.peer)
@@ -1280,9 +1290,9 @@ def glob_files(pattern):
 # -----------------------------------------------------------------------------------------------
 # Phase peer
 
-def peer_copy(ctx, steps, val_tokens):
-    """Copy the peer script into DIR/peer/ with num_iterations and val_tokens changed (and any
-    --peer-replace edits); returns (path, [(line number, before, after)])."""
+def peer_copy(ctx, steps, val_tokens, folder=None):
+    """Copy the peer script into folder (default DIR/peer/) with num_iterations and val_tokens
+    changed (and any --peer-replace edits); returns (path, [(line number, before, after)])."""
     text = open(ctx["peer"]).read()
     edits = []
     for name, value in (("num_iterations", steps), ("val_tokens", val_tokens)):
@@ -1299,7 +1309,7 @@ def peer_copy(ctx, steps, val_tokens):
             raise ValueError(f"--peer-replace {old!r}: occurs {text.count(old)} times in {ctx['peer']}, expected once")
         edits.append((text.count("\n", 0, text.index(old)) + 1, old, new))
         text = text.replace(old, new)
-    folder = os.path.join(ctx["out"], "peer")
+    folder = folder or os.path.join(ctx["out"], "peer")
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, os.path.basename(ctx["peer"]))
     with open(path, "w") as f:
@@ -1311,6 +1321,14 @@ def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def peer_env(ctx):
+    """The peer at world size 1, reading the timing data under DIR."""
+    env = child_env(False)
+    env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()), DATA_PATH=ctx["out"])
+    return env
 
 
 def phase_peer(rec, ctx):
@@ -1334,9 +1352,7 @@ def phase_peer(rec, ctx):
     rec.note(note)
     rec.note("run: RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 DATA_PATH=DIR python <copy> (world size 1: 8 micro-batches "
              "accumulated), log in DIR/peer/logs/<uuid>.txt; figures read as for ours")
-    env = child_env(False)
-    env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(free_port()), DATA_PATH=ctx["out"])
+    env = peer_env(ctx)
     remaining = ctx["deadline"] - time.time() - 5
     folder = os.path.dirname(path)
     command, profiled = [path], None
@@ -1398,14 +1414,118 @@ def record_profile(rec, who, run, folder, warmup=0):
         rec.row(table, [family, ms, calls])
 
 
-PHASE_FUNCTIONS = {"env": phase_env, "correct": phase_correct, "kernels": phase_kernels, "train": phase_train,
-                   "peer": phase_peer}
+# -----------------------------------------------------------------------------------------------
+# Phase warm
+
+def phase_warm(rec, ctx):
+    """Compile ours (the main run's flags) and the peer at once, one training step each, untimed:
+    their compilation and kernel builds fill this machine's caches (inductor's, Triton's), so the
+    train and peer phases after it start in minutes less. Two cold start-ups one after the other
+    take more than a 15-minute lease holds; compiling mostly keeps the CPUs busy, so at once they
+    take little more than the longer one. The autotuning choices the two runs saved are removed
+    after them: made with two processes on one GPU, they could be slower ones, and the timed runs
+    then choose again on an idle GPU, as on a cold machine."""
+    smoke = ctx["cpu_smoke"]
+    tg = import_trainer()
+    base = SMOKE_TRAINER_ARGV if smoke else ["--preset", "speedrun"]
+    args = tg.parse_config(base, {}, world_size=1, cuda_available=not smoke)
+    val_tokens = SMOKE_VAL_TOKENS if smoke else RUN_VAL_TOKENS
+    train_files, val_files, note = timing_data(ctx, args.train_seq_len, args.micro_batches, args.val_seq_len,
+                                               val_tokens, max(ctx["steps"], ctx["variant_steps"]))
+    rec.note(note)
+    method = (ctx["ns_methods"] or [args.ns_method])[0]
+    name = run_name(method, ctx["main_flags"])
+    folder = os.path.join(ctx["out"], "warm")
+    ours = [sys.executable, TRAINER, *base, "--num_iterations", "1", "--val_tokens", str(val_tokens),
+            "--val_every", "0", "--train_files", train_files, "--val_files", val_files, "--log_dir", folder,
+            "--run_name", f"warm_{name}", "--ns_method", method, *ctx["main_flags"]]
+    jobs = [("ours", ours, REPO_ROOT, child_env(smoke), os.path.join(ctx["out"], f"warm_{name}.console.txt"))]
+    rec.note(f"ours: the train phase's main run ({name}) for 1 step; its variants and other ns_methods compile "
+             "in the train phase as before")
+    if not ctx["peer"]:
+        rec.note("peer: no peer script (--peer PATH), not warmed")
+    elif smoke:
+        peer_copy(ctx, 1, PEER_VAL_TOKENS, os.path.join(folder, "peer"))
+        rec.note("peer: needs CUDA, not run (its copy was made)")
+    else:
+        path, _ = peer_copy(ctx, 1, PEER_VAL_TOKENS, os.path.join(folder, "peer"))
+        jobs.insert(0, ("peer", [sys.executable, path], os.path.dirname(path), peer_env(ctx),
+                        os.path.join(ctx["out"], "warm_peer.console.txt")))   # the longer start-up first
+    together = len(jobs) > 1 and gpu_memory_gib() >= WARM_TOGETHER_MIN_GIB
+    if len(jobs) > 1 and not together:
+        rec.note(f"one after the other: the GPU has {gpu_memory_gib():.0f} GiB, under the "
+                 f"{WARM_TOGETHER_MIN_GIB} GiB both runs' peaks need at once")
+    rec.value("together", together)
+    table = rec.table("Warm-up runs (untimed; start-up cold" + (", the two at once)" if together else ")"),
+                      ["run", "exit", "start-up s", "seconds", "recompiles", "graph breaks"])
+    since = time.time()
+    for label, (status, lines, seconds) in run_jobs(jobs, ctx["deadline"], together).items():
+        figures = console_figures(lines)
+        rec.row(table, [label, status, figures["startup_s"], round(seconds, 1),
+                        figures["recompiles_warmup"] + figures["recompiles_timed"], figures["graph_breaks"]])
+        rec.value(label, dict(figures, exit=status, wall_s=round(seconds, 1)))
+        if status != 0:
+            rec.data["errors"].append({"check": f"warm-up run {label} (exit {status}), console tail",
+                                       "traceback": "\n".join(line for _, line in lines[-40:])})
+    removed = drop_autotune_choices(since)
+    rec.value("autotune_choices_removed", removed)
+    rec.note(f"removed {removed} autotuning choice file(s) these runs saved (*.best_config, *.autotune.json): "
+             "the timed runs tune again")
+
+
+def run_jobs(jobs, deadline, together):
+    """Run (label, cmd, cwd, env, console) jobs with run_logged, at once or one after the other,
+    each until the deadline; {label: (status, lines, seconds)}."""
+    results = {}
+
+    def one(label, cmd, cwd, env, console):
+        results[label] = run_logged(cmd, cwd, env, deadline - time.time() - 5, console)
+    if not together:
+        for job in jobs:
+            one(*job)
+        return results
+    threads = [threading.Thread(target=one, args=job) for job in jobs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return {job[0]: results[job[0]] for job in jobs}
+
+
+def gpu_memory_gib():
+    import torch
+    return torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 0.0
+
+
+def drop_autotune_choices(since, roots=None):
+    """Delete the autotuning results saved at or after `since` (inductor's *.best_config, Triton's
+    *.autotune.json) under the inductor and Triton cache folders; returns how many."""
+    if roots is None:
+        try:
+            from torch._inductor.runtime.cache_dir_utils import cache_dir
+        except ImportError:   # older torch
+            from torch._inductor.runtime.runtime_utils import cache_dir
+        roots = [cache_dir(), os.environ.get("TRITON_CACHE_DIR") or os.path.expanduser("~/.triton/cache")]
+    removed = 0
+    for root in dict.fromkeys(roots):
+        for folder, _, files in os.walk(root):
+            for name in files:
+                path = os.path.join(folder, name)
+                if name.endswith((".best_config", ".autotune.json")) and os.path.getmtime(path) >= since - 1:
+                    os.remove(path)
+                    removed += 1
+    return removed
+
+
+PHASE_FUNCTIONS = {"env": phase_env, "correct": phase_correct, "kernels": phase_kernels, "warm": phase_warm,
+                   "train": phase_train, "peer": phase_peer}
 
 
 # -----------------------------------------------------------------------------------------------
 # Report
 
 def build_report(phases, commands, cpu_smoke):
+    phases = {name: phases[name] for name in PHASES if name in phases}   # in reading order, however run
     env = phases.get("env", {}).get("values", {})
     report = dict(tool="bench/gpu_proof.py", created=datetime.datetime.now(datetime.timezone.utc).isoformat(
         timespec="seconds"), commands=commands, cpu_smoke=cpu_smoke,

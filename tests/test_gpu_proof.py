@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -47,12 +48,12 @@ def rows(phase, title_start):
 
 def test_smoke_report_has_every_phase(smoke):
     out, report, markdown = smoke
-    assert list(report["phases"]) == list(gpu_proof.PHASES)
+    assert list(report["phases"]) == list(gpu_proof.DEFAULT_PHASES)   # warm only when named
     status = {name: p["status"] for name, p in report["phases"].items()}
     assert status == {"env": "ok", "correct": "ok", "kernels": "ok", "train": "ok", "peer": "skipped"}
     assert report["cpu_smoke"] and report["meta"]["device"] == "cpu"
     assert report["meta"]["train_gpt_sha256"] == gpu_proof.file_sha256(gpu_proof.TRAINER)
-    for name in gpu_proof.PHASES:
+    for name in gpu_proof.DEFAULT_PHASES:
         assert f"## {name}: {status[name]}" in markdown
     assert "CPU smoke run" in markdown
 
@@ -320,6 +321,68 @@ def test_a_signal_to_the_proof_ends_its_worker_and_trainers_in_one_line(tmp_path
     report = json.loads((out / "report.json").read_text())
     assert {name: phase["status"] for name, phase in report["phases"].items()} == {"env": "ok", "train": "interrupted"}
     assert report["meta"]["train_gpt_sha256"] and (out / "report.md").exists()
+
+
+def test_warm_phase_compiles_the_main_run_for_one_step_and_copies_the_peer(tmp_path):
+    """--phases env,warm on CPU: ours runs the train phase's main configuration for one step (its
+    compilation is what fills the caches), the peer's copy is made for one step (it needs CUDA to
+    run); neither touches records/."""
+    out = tmp_path / "out"
+    result = run("--cpu-smoke", "--out", str(out), "--phases", "env,warm", "--ns-methods", "newton_schulz",
+                 "--main-flags", "--compile_scope blocks",
+                 *(["--peer", str(PEER)] if PEER.exists() else []), timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    warm = json.loads((out / "report.json").read_text())["phases"]["warm"]
+    assert warm["status"] == "ok" and warm["values"]["together"] is False
+    assert [r["run"] for r in rows(warm, "Warm-up runs")] == ["ours"] and warm["values"]["ours"]["exit"] == 0
+    (log,) = (out / "warm").glob("*_warm_newton_schulz_compile_scope-blocks/*.txt")
+    text = log.read_text()
+    assert "step:1/1 " in text and "compile_scope=blocks" in text and "ns_method=newton_schulz" in text
+    assert isinstance(warm["values"]["autotune_choices_removed"], int)
+    if PEER.exists():
+        copy = (out / "warm" / "peer" / PEER.name).read_text()
+        assert "num_iterations = 1 #" in copy and "val_tokens = 262144 #" in copy
+        assert "peer: needs CUDA, not run (its copy was made)" in warm["notes"]
+
+
+def test_phases_run_in_the_order_given_and_report_in_reading_order(tmp_path):
+    """A short lease names first the phase it lacks; the report still reads env first."""
+    out = tmp_path / "out"
+    result = run("--cpu-smoke", "--out", str(out), "--phases", "peer,env", timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    started = [line.split()[1] for line in result.stdout.splitlines() if line.endswith("running (budget 60 s)")]
+    assert started == ["peer:", "env:"]
+    assert list(json.loads((out / "report.json").read_text())["phases"]) == ["env", "peer"]
+
+
+def test_warm_runs_together_overlap_and_one_after_the_other_do_not(tmp_path):
+    job = [sys.executable, "-c", "import time; print(time.time(), flush=True); time.sleep(1); print(time.time())"]
+
+    def spans(together):
+        jobs = [(label, job, str(tmp_path), dict(os.environ), str(tmp_path / f"{label}.txt")) for label in "ab"]
+        results = gpu_proof.run_jobs(jobs, time.time() + 60, together)
+        assert list(results) == ["a", "b"] and all(status == 0 for status, _, _ in results.values())
+        return [[float(line) for _, line in lines] for _, lines, _ in results.values()]
+    (a_start, a_end), (b_start, b_end) = spans(True)
+    assert b_start < a_end and a_start < b_end
+    (a_start, a_end), (b_start, b_end) = spans(False)
+    assert b_start >= a_end
+
+
+def test_drop_autotune_choices_removes_only_what_the_warm_runs_saved(tmp_path):
+    old = [tmp_path / "inductor" / "ab" / "x.best_config", tmp_path / "triton" / "k" / "y.autotune.json"]
+    new = [tmp_path / "inductor" / "cd" / "z.best_config", tmp_path / "triton" / "m" / "w.autotune.json"]
+    kept = [tmp_path / "inductor" / "cd" / "z.py", tmp_path / "triton" / "m" / "w.cubin"]
+    for path in old + new + kept:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("{}")
+    for path in old:
+        os.utime(path, (time.time() - 3600, time.time() - 3600))
+    since = time.time() - 1
+    removed = gpu_proof.drop_autotune_choices(since, [str(tmp_path / "inductor"), str(tmp_path / "triton"),
+                                                      str(tmp_path / "inductor")])
+    assert removed == 2
+    assert all(p.exists() for p in old + kept) and not any(p.exists() for p in new)
 
 
 def test_parse_run_log_reads_the_speedrun_line_format():
