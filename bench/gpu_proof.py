@@ -16,9 +16,10 @@ writes DIR/report.md (tables to read) and DIR/report.json (the same figures). Ph
   kernels  ms and TFLOP/s of orthogonalizing the speedrun's Muon stacks (the work of one rank at
            1 and at 8 GPUs), every ns_method on the Triton and on the torch.compile'd torch
            backend, and the ratio to compiled torch Newton-Schulz
-  warm     (only when named) ours and the peer compiled at once, untimed, so that the train and peer
-           phases after it, in this command or the next on the same machine, start from warm
-           compilation caches; the autotuning results these runs leave are removed
+  warm     (only when named) ours and the peer compiled, one step each, untimed (at once where the
+           GPU's memory holds both), so that the train and peer phases after it, in this command or
+           the next on the same machine, start from warm compilation caches; the autotuning
+           choices these runs saved are removed
   train    train_gpt.py, speedrun preset, 1 GPU (its micro-batches accumulated), N steps on a
            timing dataset written here: start-up seconds, steady ms/step over steps 20..N, peak
            memory, val loss at the start and the end, recompiles and graph breaks, and a profile
@@ -1201,7 +1202,12 @@ def run_row(label, method, figures):
 
 
 def child_env(cpu_smoke):
-    env = dict(os.environ, PYTHONUNBUFFERED="1", TORCH_LOGS="recompiles,graph_breaks")
+    """The environment of every trainer the proof starts. Inductor's cache entries then hold the
+    generated code, not its compiled kernels with their configurations cut down to a choice saved
+    earlier: a run that hits the cache tunes its kernels itself (see phase_warm). It is part of the
+    cache key, so the warm runs and the timed ones must agree on it."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TORCH_LOGS="recompiles,graph_breaks",
+               TORCHINDUCTOR_BUNDLE_TRITON_INTO_FX_GRAPH_CACHE="0")
     if cpu_smoke:
         env["CUDA_VISIBLE_DEVICES"] = ""
     return env
@@ -1212,6 +1218,7 @@ def child_env(cpu_smoke):
 
 def phase_train(rec, ctx):
     tg = import_trainer()
+    drop_choices_a_warm_phase_left(rec)
     smoke = ctx["cpu_smoke"]
     base = SMOKE_TRAINER_ARGV if smoke else ["--preset", "speedrun"]
     args = tg.parse_config(base, {}, world_size=1, cuda_available=not smoke)
@@ -1249,10 +1256,8 @@ def phase_train(rec, ctx):
             rec.note(f"{name}: not run, {remaining:.0f} s of the phase budget left (run `--phases env,train "
                      f"--steps {steps} {again} --variants ''` in another command; --merge adds its run to these)")
             continue
-        argv = base + ["--num_iterations", str(steps), "--val_tokens", str(val_tokens),
-                       "--val_every", str(steps if i == 0 else 0), "--train_files", train_files,
-                       "--val_files", val_files, "--log_dir", log_dir, "--run_name", f"proof_{name}",
-                       "--ns_method", method, *flags]
+        argv = trainer_argv(base, steps, val_tokens, steps if i == 0 else 0, train_files, val_files, log_dir,
+                            f"proof_{name}", method, flags)
         profiled = os.path.join(ctx["out"], "profile_ours") if i == 0 and ctx["profile"] else None
         command = ([PROFILER, "--out", profiled, "--steps", "{}:{}".format(*ctx["profile"]), "--"] if profiled
                    else [TRAINER])
@@ -1273,6 +1278,13 @@ def phase_train(rec, ctx):
             rec.data["errors"].append({"check": f"train run {name} (exit {status}), console tail",
                                        "traceback": "\n".join(line for _, line in lines[-40:])})
             rec.flush()
+
+
+def trainer_argv(base, steps, val_tokens, val_every, train_files, val_files, log_dir, name, method, flags):
+    """The trainer's command line in the train phase, and in the warm phase for one step."""
+    return base + ["--num_iterations", str(steps), "--val_tokens", str(val_tokens), "--val_every", str(val_every),
+                   "--train_files", train_files, "--val_files", val_files, "--log_dir", log_dir, "--run_name", name,
+                   "--ns_method", method, *flags]
 
 
 def run_name(method, flags):
@@ -1346,6 +1358,7 @@ def phase_peer(rec, ctx):
         rec.skip("needs CUDA (the copy and its edits above were made and checked)")
         return
     tg = import_trainer()
+    drop_choices_a_warm_phase_left(rec)
     args = speedrun_args(tg)
     train_files, val_files, note = timing_data(ctx, args.train_seq_len, args.micro_batches, args.val_seq_len,
                                                RUN_VAL_TOKENS, max(ctx["steps"], ctx["variant_steps"]))
@@ -1418,13 +1431,15 @@ def record_profile(rec, who, run, folder, warmup=0):
 # Phase warm
 
 def phase_warm(rec, ctx):
-    """Compile ours (the main run's flags) and the peer at once, one training step each, untimed:
-    their compilation and kernel builds fill this machine's caches (inductor's, Triton's), so the
-    train and peer phases after it start in minutes less. Two cold start-ups one after the other
-    take more than a 15-minute lease holds; compiling mostly keeps the CPUs busy, so at once they
-    take little more than the longer one. The autotuning choices the two runs saved are removed
-    after them: made with two processes on one GPU, they could be slower ones, and the timed runs
-    then choose again on an idle GPU, as on a cold machine."""
+    """Compile ours (the main run's flags) and the peer, one training step each, untimed: their
+    compilation and kernel builds fill this machine's caches (inductor's, Triton's), so the train
+    and peer phases after it start in minutes less. Two cold start-ups one after the other take
+    more than a 15-minute lease holds; compiling is mostly CPU work, so the two run at once where
+    the GPU's memory holds both (how much that saves is for a GPU run to show). The autotuning
+    choices they saved are removed after them (or, if this phase is cut short, by the next train
+    or peer phase): made with two processes on one GPU, they could be slower ones. With those
+    gone, and inductor's cache entries holding code rather than kernels tuned down to one
+    configuration (child_env), the timed runs choose their kernels' configurations again."""
     smoke = ctx["cpu_smoke"]
     tg = import_trainer()
     base = SMOKE_TRAINER_ARGV if smoke else ["--preset", "speedrun"]
@@ -1436,9 +1451,8 @@ def phase_warm(rec, ctx):
     method = (ctx["ns_methods"] or [args.ns_method])[0]
     name = run_name(method, ctx["main_flags"])
     folder = os.path.join(ctx["out"], "warm")
-    ours = [sys.executable, TRAINER, *base, "--num_iterations", "1", "--val_tokens", str(val_tokens),
-            "--val_every", "0", "--train_files", train_files, "--val_files", val_files, "--log_dir", folder,
-            "--run_name", f"warm_{name}", "--ns_method", method, *ctx["main_flags"]]
+    ours = [sys.executable, TRAINER, *trainer_argv(base, 1, val_tokens, 0, train_files, val_files, folder,
+                                                   f"warm_{name}", method, ctx["main_flags"])]
     jobs = [("ours", ours, REPO_ROOT, child_env(smoke), os.path.join(ctx["out"], f"warm_{name}.console.txt"))]
     rec.note(f"ours: the train phase's main run ({name}) for 1 step; its variants and other ns_methods compile "
              "in the train phase as before")
@@ -1451,15 +1465,20 @@ def phase_warm(rec, ctx):
         path, _ = peer_copy(ctx, 1, PEER_VAL_TOKENS, os.path.join(folder, "peer"))
         jobs.insert(0, ("peer", [sys.executable, path], os.path.dirname(path), peer_env(ctx),
                         os.path.join(ctx["out"], "warm_peer.console.txt")))   # the longer start-up first
-    together = len(jobs) > 1 and gpu_memory_gib() >= WARM_TOGETHER_MIN_GIB
-    if len(jobs) > 1 and not together:
-        rec.note(f"one after the other: the GPU has {gpu_memory_gib():.0f} GiB, under the "
-                 f"{WARM_TOGETHER_MIN_GIB} GiB both runs' peaks need at once")
+    memory = gpu_memory_gib() if len(jobs) > 1 else None
+    together = memory is not None and memory >= WARM_TOGETHER_MIN_GIB
+    if memory is not None and not together:
+        rec.note(f"one after the other: the GPU has {memory:.0f} GiB, under the {WARM_TOGETHER_MIN_GIB} GiB "
+                 "both runs' peaks need at once")
     rec.value("together", together)
     table = rec.table("Warm-up runs (untimed; start-up cold" + (", the two at once)" if together else ")"),
                       ["run", "exit", "start-up s", "seconds", "recompiles", "graph breaks"])
+    marker = warm_marker()
     since = time.time()
-    for label, (status, lines, seconds) in run_jobs(jobs, ctx["deadline"], together).items():
+    with open(marker, "w") as f:
+        f.write(repr(since))
+    # Ended 15 s before the phase's deadline: the choices they saved must be removed before it.
+    for label, (status, lines, seconds) in run_jobs(jobs, ctx["deadline"] - 15, together).items():
         figures = console_figures(lines)
         rec.row(table, [label, status, figures["startup_s"], round(seconds, 1),
                         figures["recompiles_warmup"] + figures["recompiles_timed"], figures["graph_breaks"]])
@@ -1468,18 +1487,36 @@ def phase_warm(rec, ctx):
             rec.data["errors"].append({"check": f"warm-up run {label} (exit {status}), console tail",
                                        "traceback": "\n".join(line for _, line in lines[-40:])})
     removed = drop_autotune_choices(since)
+    os.remove(marker)
     rec.value("autotune_choices_removed", removed)
-    rec.note(f"removed {removed} autotuning choice file(s) these runs saved (*.best_config, *.autotune.json): "
-             "the timed runs tune again")
+    rec.note(f"removed {removed} autotuning choice file(s) these runs saved (inductor's *.best_config; Triton's "
+             "*.autotune.json, which it writes only where TRITON_CACHE_AUTOTUNING=1): the timed runs tune again")
+
+
+def drop_choices_a_warm_phase_left(rec):
+    """At the start of the train and peer phases: the autotuning choices of a warm phase that was
+    cut short before it removed them (its marker is still there)."""
+    marker = warm_marker()
+    if not os.path.exists(marker):
+        return
+    with open(marker) as f:
+        since = float(f.read())
+    removed = drop_autotune_choices(since)
+    os.remove(marker)
+    rec.note(f"removed {removed} autotuning choice file(s) a warm phase cut short had left")
 
 
 def run_jobs(jobs, deadline, together):
     """Run (label, cmd, cwd, env, console) jobs with run_logged, at once or one after the other,
-    each until the deadline; {label: (status, lines, seconds)}."""
+    each until the deadline; {label: (status, lines, seconds)} (status 'error' where the job could
+    not be run, its traceback as its lines)."""
     results = {}
 
     def one(label, cmd, cwd, env, console):
-        results[label] = run_logged(cmd, cwd, env, deadline - time.time() - 5, console)
+        try:
+            results[label] = run_logged(cmd, cwd, env, deadline - time.time() - 5, console)
+        except Exception:  # noqa: BLE001 - a thread's exception would otherwise only reach stderr
+            results[label] = ("error", [(0.0, line) for line in traceback.format_exc().splitlines()], 0.0)
     if not together:
         for job in jobs:
             one(*job)
@@ -1493,21 +1530,35 @@ def run_jobs(jobs, deadline, together):
 
 
 def gpu_memory_gib():
-    import torch
-    return torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 0.0
+    """The first GPU's memory, from nvidia-smi: asking torch would hold a CUDA context on that GPU
+    in this process while the two runs need its memory. 0 where nvidia-smi does not answer."""
+    try:
+        mib = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", "0"],
+                             capture_output=True, text=True, timeout=30).stdout.split()
+        return float(mib[0]) / 1024 if mib else 0.0
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        return 0.0
+
+
+def cache_roots():
+    """The folders where inductor and Triton keep what they compile and tune on this machine."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+    except ImportError:   # older torch
+        from torch._inductor.runtime.runtime_utils import cache_dir
+    return list(dict.fromkeys([cache_dir(), os.environ.get("TRITON_CACHE_DIR")
+                               or os.path.expanduser("~/.triton/cache")]))
+
+
+def warm_marker():
+    return os.path.join(cache_roots()[0], "gpu_proof_warm_began")
 
 
 def drop_autotune_choices(since, roots=None):
     """Delete the autotuning results saved at or after `since` (inductor's *.best_config, Triton's
-    *.autotune.json) under the inductor and Triton cache folders; returns how many."""
-    if roots is None:
-        try:
-            from torch._inductor.runtime.cache_dir_utils import cache_dir
-        except ImportError:   # older torch
-            from torch._inductor.runtime.runtime_utils import cache_dir
-        roots = [cache_dir(), os.environ.get("TRITON_CACHE_DIR") or os.path.expanduser("~/.triton/cache")]
+    *.autotune.json) under the cache folders; returns how many."""
     removed = 0
-    for root in dict.fromkeys(roots):
+    for root in dict.fromkeys(roots or cache_roots()):
         for folder, _, files in os.walk(root):
             for name in files:
                 path = os.path.join(folder, name)

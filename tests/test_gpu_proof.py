@@ -5,6 +5,7 @@ work; logs are parsed in the speedrun's line format; reports of several commands
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -23,8 +24,8 @@ from bench import gpu_proof  # noqa: E402
 from conftest import sigint_as_at_a_terminal, signal_when_training  # noqa: E402
 
 
-def run(*args, timeout=60):
-    env = dict(os.environ, TRITON_INTERPRET="1")
+def run(*args, timeout=60, env=None):
+    env = dict(os.environ, TRITON_INTERPRET="1", **(env or {}))
     return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout,
                           cwd=ROOT, env=env)
 
@@ -323,22 +324,35 @@ def test_a_signal_to_the_proof_ends_its_worker_and_trainers_in_one_line(tmp_path
     assert report["meta"]["train_gpt_sha256"] and (out / "report.md").exists()
 
 
+def logged_settings(log):
+    """The trainer's settings as its log lists them (name=value lines after the code)."""
+    header = log.read_text().split("=" * 100)[-2]   # between the code and the output
+    return dict(line.split("=", 1) for line in header.splitlines() if re.fullmatch(r"[a-z0-9_]+=.*", line))
+
+
 def test_warm_phase_compiles_the_main_run_for_one_step_and_copies_the_peer(tmp_path):
-    """--phases env,warm on CPU: ours runs the train phase's main configuration for one step (its
-    compilation is what fills the caches), the peer's copy is made for one step (it needs CUDA to
-    run); neither touches records/."""
-    out = tmp_path / "out"
-    result = run("--cpu-smoke", "--out", str(out), "--phases", "env,warm", "--ns-methods", "newton_schulz",
-                 "--main-flags", "--compile_scope blocks",
-                 *(["--peer", str(PEER)] if PEER.exists() else []), timeout=300)
+    """--phases env,warm,train on CPU: the warm phase runs the train phase's main configuration
+    for one step (its compilation is what fills the caches), with the same settings but the
+    four that do not reach a compiled graph; the peer's copy is made for one step (it needs CUDA
+    to run); neither touches records/; the marker of a running warm phase is gone after it."""
+    out, cache = tmp_path / "out", tmp_path / "inductor"
+    result = run("--cpu-smoke", "--out", str(out), "--phases", "env,warm,train", "--ns-methods", "newton_schulz",
+                 "--main-flags", "--compile_scope blocks", "--variants", "",
+                 *(["--peer", str(PEER)] if PEER.exists() else []), timeout=300,
+                 env={"TORCHINDUCTOR_CACHE_DIR": str(cache)})
     assert result.returncode == 0, result.stdout + result.stderr
     warm = json.loads((out / "report.json").read_text())["phases"]["warm"]
     assert warm["status"] == "ok" and warm["values"]["together"] is False
     assert [r["run"] for r in rows(warm, "Warm-up runs")] == ["ours"] and warm["values"]["ours"]["exit"] == 0
     (log,) = (out / "warm").glob("*_warm_newton_schulz_compile_scope-blocks/*.txt")
-    text = log.read_text()
-    assert "step:1/1 " in text and "compile_scope=blocks" in text and "ns_method=newton_schulz" in text
-    assert isinstance(warm["values"]["autotune_choices_removed"], int)
+    assert "step:1/1 " in log.read_text()
+    (timed,) = (out / "train").glob("*_proof_newton_schulz_compile_scope-blocks/*.txt")
+    warm_settings, timed_settings = logged_settings(log), logged_settings(timed)
+    assert warm_settings["compile_scope"] == "blocks" and warm_settings["ns_method"] == "newton_schulz"
+    differ = {k for k in warm_settings.keys() | timed_settings.keys() if warm_settings.get(k) != timed_settings.get(k)}
+    assert differ == {"num_iterations", "val_every", "log_dir", "run_name"}, differ
+    assert warm["values"]["autotune_choices_removed"] == 0   # the CPU's kernels are C++: nothing tuned
+    assert cache.is_dir() and not (cache / "gpu_proof_warm_began").exists()
     if PEER.exists():
         copy = (out / "warm" / "peer" / PEER.name).read_text()
         assert "num_iterations = 1 #" in copy and "val_tokens = 262144 #" in copy
@@ -356,7 +370,7 @@ def test_phases_run_in_the_order_given_and_report_in_reading_order(tmp_path):
 
 
 def test_warm_runs_together_overlap_and_one_after_the_other_do_not(tmp_path):
-    job = [sys.executable, "-c", "import time; print(time.time(), flush=True); time.sleep(1); print(time.time())"]
+    job = [sys.executable, "-c", "import time; print(time.time(), flush=True); time.sleep(3); print(time.time())"]
 
     def spans(together):
         jobs = [(label, job, str(tmp_path), dict(os.environ), str(tmp_path / f"{label}.txt")) for label in "ab"]
@@ -367,6 +381,37 @@ def test_warm_runs_together_overlap_and_one_after_the_other_do_not(tmp_path):
     assert b_start < a_end and a_start < b_end
     (a_start, a_end), (b_start, b_end) = spans(False)
     assert b_start >= a_end
+
+
+def test_a_warm_phase_cut_short_leaves_its_choices_to_the_next_phase(tmp_path, monkeypatch):
+    """Killed before it removed them, the warm phase's marker stays in inductor's cache folder;
+    the next train or peer phase removes what was saved since it, in both cache folders."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    (tmp_path / "inductor").mkdir()
+    since = time.time()
+    (tmp_path / "inductor" / "gpu_proof_warm_began").write_text(repr(since))
+    older, saved = tmp_path / "inductor" / "a" / "k.best_config", tmp_path / "triton" / "b" / "k.best_config"
+    for path in (older, saved):
+        path.parent.mkdir(parents=True)
+        path.write_text("{}")
+    os.utime(older, (since - 60, since - 60))
+
+    class Rec:
+        notes = []
+        note = notes.append
+    gpu_proof.drop_choices_a_warm_phase_left(Rec)
+    assert older.exists() and not saved.exists()
+    assert not (tmp_path / "inductor" / "gpu_proof_warm_began").exists()
+    assert Rec.notes == ["removed 1 autotuning choice file(s) a warm phase cut short had left"]
+    gpu_proof.drop_choices_a_warm_phase_left(Rec)   # no marker: nothing to do
+    assert older.exists() and len(Rec.notes) == 1
+
+
+def test_trainers_keep_code_not_tuned_kernels_in_inductors_cache():
+    """A cache hit must tune again (phase_warm): the proof's trainers run without Triton bundling."""
+    assert gpu_proof.child_env(False)["TORCHINDUCTOR_BUNDLE_TRITON_INTO_FX_GRAPH_CACHE"] == "0"
+    assert gpu_proof.child_env(True)["TORCHINDUCTOR_BUNDLE_TRITON_INTO_FX_GRAPH_CACHE"] == "0"
 
 
 def test_drop_autotune_choices_removes_only_what_the_warm_runs_saved(tmp_path):
