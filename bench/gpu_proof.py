@@ -1220,19 +1220,14 @@ def phase_train(rec, ctx):
     tg = import_trainer()
     drop_choices_a_warm_phase_left(rec)
     smoke = ctx["cpu_smoke"]
-    base = SMOKE_TRAINER_ARGV if smoke else ["--preset", "speedrun"]
-    args = tg.parse_config(base, {}, world_size=1, cuda_available=not smoke)
-    val_tokens = SMOKE_VAL_TOKENS if smoke else RUN_VAL_TOKENS
-    train_files, val_files, note = timing_data(ctx, args.train_seq_len, args.micro_batches, args.val_seq_len,
-                                               val_tokens, max(ctx["steps"], ctx["variant_steps"]))
-    rec.note(note)
+    base, args, val_tokens, train_files, val_files = trainer_setup(rec, ctx, tg)
     rec.note(f"each run: `python train_gpt.py {' '.join(base)} --num_iterations N --val_tokens {val_tokens}` on that "
              f"data, 1 process, {args.micro_batches} micro-batches of {args.train_seq_len} tokens per step; the lr "
              "and window schedules are compressed into N steps (so are the peer's); start-up = launch to the "
              f"first step (imports, data checks, compilation, {args.warmup_steps} warmup steps); steady ms/step = "
              f"(train_time at step N - at step {ctx['steady_from']}) / (N - {ctx['steady_from']}); "
-             "runs after the first reuse "
-             "its compilation caches, so their start-up is not comparable")
+             "runs after the first reuse its compilation caches, so their start-up is not comparable (after "
+             "a warm phase on this machine, the first's is not either)")
     methods = ctx["ns_methods"] or [args.ns_method] + [m for m in tg.NS_METHODS if m != args.ns_method]
     if smoke and not ctx["ns_methods"]:
         methods = methods[:2]
@@ -1278,6 +1273,19 @@ def phase_train(rec, ctx):
             rec.data["errors"].append({"check": f"train run {name} (exit {status}), console tail",
                                        "traceback": "\n".join(line for _, line in lines[-40:])})
             rec.flush()
+
+
+def trainer_setup(rec, ctx, tg):
+    """What the train and warm phases run ours with: the preset's flags (the smoke model's on
+    CPU), its settings, the validation tokens and the timing data's file patterns (noted)."""
+    smoke = ctx["cpu_smoke"]
+    base = SMOKE_TRAINER_ARGV if smoke else ["--preset", "speedrun"]
+    args = tg.parse_config(base, {}, world_size=1, cuda_available=not smoke)
+    val_tokens = SMOKE_VAL_TOKENS if smoke else RUN_VAL_TOKENS
+    train_files, val_files, note = timing_data(ctx, args.train_seq_len, args.micro_batches, args.val_seq_len,
+                                               val_tokens, max(ctx["steps"], ctx["variant_steps"]))
+    rec.note(note)
+    return base, args, val_tokens, train_files, val_files
 
 
 def trainer_argv(base, steps, val_tokens, val_every, train_files, val_files, log_dir, name, method, flags):
@@ -1441,13 +1449,7 @@ def phase_warm(rec, ctx):
     gone, and inductor's cache entries holding code rather than kernels tuned down to one
     configuration (child_env), the timed runs choose their kernels' configurations again."""
     smoke = ctx["cpu_smoke"]
-    tg = import_trainer()
-    base = SMOKE_TRAINER_ARGV if smoke else ["--preset", "speedrun"]
-    args = tg.parse_config(base, {}, world_size=1, cuda_available=not smoke)
-    val_tokens = SMOKE_VAL_TOKENS if smoke else RUN_VAL_TOKENS
-    train_files, val_files, note = timing_data(ctx, args.train_seq_len, args.micro_batches, args.val_seq_len,
-                                               val_tokens, max(ctx["steps"], ctx["variant_steps"]))
-    rec.note(note)
+    base, args, val_tokens, train_files, val_files = trainer_setup(rec, ctx, import_trainer())
     method = (ctx["ns_methods"] or [args.ns_method])[0]
     name = run_name(method, ctx["main_flags"])
     folder = os.path.join(ctx["out"], "warm")
