@@ -46,8 +46,8 @@ import warnings
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cli_util import (OneLineArgumentParser, exit_status, fail, interruptions_held,  # noqa: E402
-                      leave_signals_to_the_parent, stop_pool, stopped_by_signals)
+from cli_util import (OneLineArgumentParser, WorkerDied, exit_status, fail, interruptions_held,  # noqa: E402
+                      leave_signals_to_the_parent, imap_while_workers_live, stop_pool, stopped_by_signals)
 from fineweb import BuildError, get_gpt2_encoding, sha256_of, tokenize_to_shards  # noqa: E402
 from shards import ShardError, shard_name  # noqa: E402
 
@@ -200,7 +200,7 @@ def collect_sources(limit=None, workers=1):
     if workers > 1:
         pool = multiprocessing.Pool(workers, leave_signals_to_the_parent)
         try:
-            per_module = pool.map(module_paragraphs, paths, chunksize=8)
+            per_module = list(imap_while_workers_live(pool, module_paragraphs, paths, 8))
         finally:
             stop_pool(pool)
     else:
@@ -347,6 +347,8 @@ def main(argv=None):
             manifest = build_sample(args.out, args.limit, args.workers, args.overwrite)
     except (BuildError, ShardError) as error:
         fail(str(error))
+    except WorkerDied as error:
+        fail(f"{error}; {args.out} is as it was")
     except KeyboardInterrupt as interruption:
         fail(f"interrupted; {args.out} " + ("holds the new sample, put in place first"
              if getattr(interruption, "came_while_held", False) else "is as it was"), exit_status(interruption))

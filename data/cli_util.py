@@ -3,6 +3,7 @@
 import argparse
 import contextlib
 import errno
+import itertools
 import multiprocessing
 import os
 import signal
@@ -112,6 +113,41 @@ def leave_signals_to_the_parent():
     if hasattr(signal, "SIGHUP"):
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+class WorkerDied(RuntimeError):
+    """A pool worker ended in the middle of the work (the kernel's OOM killer, a kill -9 or -TERM to
+    it alone)."""
+
+
+def _call_on_batch(func_and_batch):
+    func, batch = func_and_batch
+    return [func(item) for item in batch]
+
+
+def imap_while_workers_live(pool, func, items, chunksize=1, poll_s=1.0):
+    """pool.imap(func, items, chunksize)'s results, in order, but WorkerDied when one of the pool's
+    workers has ended: the pool starts another, and the task the dead one held is lost, so imap
+    would wait for it forever. pool._pool, the pool's own list of its processes, is the one place a
+    dead worker shows; the batches are made here because imap with a chunksize hides the timeout."""
+    items = iter(items)
+    batches = iter(lambda: list(itertools.islice(items, chunksize)), [])
+    results = pool.imap(_call_on_batch, ((func, batch) for batch in batches))
+    workers = list(pool._pool)
+    while True:
+        try:
+            batch = results.next(timeout=poll_s)
+        except StopIteration:
+            return
+        except multiprocessing.TimeoutError:
+            for worker in workers:
+                code = worker.exitcode
+                if code is not None:
+                    how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
+                    raise WorkerDied(f"a worker process (pid {worker.pid}) {how} while working: out of memory? "
+                                     "(the kernel's OOM killer sends SIGKILL; fewer --workers need less)") from None
+            continue
+        yield from batch
 
 
 def stop_pool(pool, seconds=5.0):

@@ -34,8 +34,9 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numpy as np  # noqa: E402
-from cli_util import (DISK_ERRNOS, OneLineArgumentParser, exit_status, fail, first_line,  # noqa: E402
-                      interruptions_held, leave_signals_to_the_parent, stop_pool, stopped_by_signals)
+from cli_util import (DISK_ERRNOS, OneLineArgumentParser, WorkerDied, exit_status, fail, first_line,  # noqa: E402
+                      interruptions_held, leave_signals_to_the_parent, imap_while_workers_live, stop_pool,
+                      stopped_by_signals)
 from shards import BOS, GPT2_VOCAB_SIZE, MAX_TOKENS, ShardError, shard_name, train_gpt, write_shard  # noqa: E402
 
 DEFAULT_SHARD_SIZE = 100_000_000  # tokens; the size of the public FineWeb shards
@@ -187,7 +188,7 @@ def tokenize_to_shards(documents, out_dir, prefix, shard_size=DEFAULT_SHARD_SIZE
         else:
             pool = multiprocessing.Pool(workers, _init_pool_worker, (encoding,))
             stack.callback(stop_pool, pool)
-            token_arrays = pool.imap(_tokenize_document, _checked_documents(documents), chunksize=16)
+            token_arrays = imap_while_workers_live(pool, _tokenize_document, _checked_documents(documents), 16)
         for tokens in token_arrays:
             pos = 0
             while pos < len(tokens):
@@ -306,7 +307,7 @@ def main(argv=None):
             documents = iter_fineweb_documents(repo_files, out_dir / ".raw", keep_raw=args.keep_raw)
             written = tokenize_to_shards(documents, out_dir, "fineweb", args.shard_size, args.workers,
                                          max_shards=args.max_shards, overwrite=args.overwrite, encoding=encoding)
-    except DownloadFailed as error:
+    except (DownloadFailed, WorkerDied) as error:
         fail(f"{error}; {left}")
     except (BuildError, ShardError) as error:
         fail(str(error))

@@ -616,3 +616,38 @@ def test_a_signal_to_the_whole_group_ends_a_pool_build_in_one_line(tmp_path, gpt
     assert err == "error: interrupted; the shards written so far are complete (rerun with --overwrite to rebuild " \
                   "them all)\n"
     assert all(read_shard(path).size == 5000 for path in out.glob("fineweb_*.bin"))
+
+
+def child_pids(pid):
+    """The processes pid started (Linux: /proc/PID/task/*/children)."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            found += [int(p) for p in (task / "children").read_text().split()]
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds the workers in /proc")
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM])
+def test_a_worker_killed_alone_ends_a_pool_build_in_one_line(tmp_path, gpt2, signum):
+    """The OOM killer picks one process: a tokenizer worker killed alone used to leave the build
+    waiting forever for the task it held (multiprocessing.Pool starts another and waits on)."""
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-c", POOL_RUN.format(data=str(DATA), out=str(out))],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not list(out.glob("fineweb_train_*.bin")) and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.1)
+        workers = child_pids(proc.pid)
+        assert workers, "no worker processes found"
+        os.kill(workers[0], signum)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 1
+    assert err == (f"error: a worker process (pid {workers[0]}) was killed by {signal.Signals(signum).name} while "
+                   "working: out of memory? (the kernel's OOM killer sends SIGKILL; fewer --workers need less); the "
+                   "shards written so far are complete (rerun with --overwrite to rebuild them all)\n"), err
+    assert all(read_shard(path).size == 5000 for path in out.glob("fineweb_*.bin"))
