@@ -126,10 +126,11 @@ def _call_on_batch(func_and_batch):
 
 
 def imap_while_workers_live(pool, func, items, chunksize=1, poll_s=1.0):
-    """pool.imap(func, items, chunksize)'s results, in order, but WorkerDied when one of the pool's
-    workers has ended: the pool starts another, and the task the dead one held is lost, so imap
-    would wait for it forever. pool._pool, the pool's own list of its processes, is the one place a
-    dead worker shows; the batches are made here because imap with a chunksize hides the timeout."""
+    """pool.imap(func, items, chunksize)'s results, in order, but WorkerDied as soon as one of the
+    pool's workers has ended: the pool starts another, and a task the dead one held is lost, so
+    imap would wait for it forever (and a worker that died idle says the machine is short of
+    memory all the same). pool._pool, the pool's own list of its processes, is the one place a dead
+    worker shows; the batches are made here because imap with a chunksize hides the timeout."""
     items = iter(items)
     batches = iter(lambda: list(itertools.islice(items, chunksize)), [])
     results = pool.imap(_call_on_batch, ((func, batch) for batch in batches))
@@ -140,13 +141,13 @@ def imap_while_workers_live(pool, func, items, chunksize=1, poll_s=1.0):
         except StopIteration:
             return
         except multiprocessing.TimeoutError:
-            for worker in workers:
-                code = worker.exitcode
-                if code is not None:
-                    how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
-                    raise WorkerDied(f"a worker process (pid {worker.pid}) {how} while working: out of memory? "
-                                     "(the kernel's OOM killer sends SIGKILL; fewer --workers need less)") from None
-            continue
+            batch = []
+        for worker in workers:
+            code = worker.exitcode
+            if code is not None:
+                how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
+                raise WorkerDied(f"a worker process (pid {worker.pid}) {how} during the build: out of memory? "
+                                 "(the kernel's OOM killer sends SIGKILL; fewer --workers need less)") from None
         yield from batch
 
 

@@ -647,7 +647,7 @@ def test_a_worker_killed_alone_ends_a_pool_build_in_one_line(tmp_path, gpt2, sig
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 1
-    assert err == (f"error: a worker process (pid {workers[0]}) was killed by {signal.Signals(signum).name} while "
-                   "working: out of memory? (the kernel's OOM killer sends SIGKILL; fewer --workers need less); the "
+    assert err == (f"error: a worker process (pid {workers[0]}) was killed by {signal.Signals(signum).name} during "
+                   "the build: out of memory? (the kernel's OOM killer sends SIGKILL; fewer --workers need less); the "
                    "shards written so far are complete (rerun with --overwrite to rebuild them all)\n"), err
     assert all(read_shard(path).size == 5000 for path in out.glob("fineweb_*.bin"))
