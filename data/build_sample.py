@@ -40,14 +40,14 @@ import re
 import shutil
 import sys
 import sysconfig
-import tempfile
 import tokenize
 import warnings
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cli_util import (OneLineArgumentParser, WorkerDied, exit_status, fail, interruptions_held,  # noqa: E402
-                      leave_signals_to_the_parent, imap_while_workers_live, stop_pool, stopped_by_signals)
+                      leave_signals_to_the_parent, imap_while_workers_live, scratch_folder, stop_pool,
+                      stopped_by_signals)
 from fineweb import BuildError, get_gpt2_encoding, sha256_of, tokenize_to_shards  # noqa: E402
 from shards import ShardError, shard_name  # noqa: E402
 
@@ -256,13 +256,15 @@ def build_sample(out_dir=SAMPLE_DIR, limit=None, workers=None, overwrite=False, 
     scratch = manifest = None
     try:
         try:  # made first: an --out that cannot be written fails before the build. Its own name: a
-            # .build folder of someone else's in --out is not this build's to remove.
+            # .build folder of a build still running in --out is not this build's to remove.
             if out_dir.exists() and not out_dir.is_dir():
                 raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
             out_dir.mkdir(parents=True, exist_ok=True)
-            scratch = Path(tempfile.mkdtemp(prefix=".build-", dir=out_dir))
+            scratch, removed = scratch_folder(out_dir, ".build-")
         except OSError as e:
             raise BuildError(f"--out {out_dir}: cannot create a folder there ({e.strerror or e})") from None
+        for path in removed:
+            log(f"{path}: removed, the scratch folder of an earlier build that was killed")
         encoding = get_gpt2_encoding()
         sources = collect_sources(limit, workers or os.cpu_count() or 1)
         total_chars = sum(len(d) for _, docs in sources for d in docs)

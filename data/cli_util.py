@@ -6,9 +6,14 @@ import errno
 import itertools
 import multiprocessing
 import os
+import re
+import shutil
 import signal
+import socket
 import sys
+import tempfile
 import threading
+from pathlib import Path
 
 
 class OneLineArgumentParser(argparse.ArgumentParser):
@@ -162,3 +167,28 @@ def stop_pool(pool, seconds=5.0):
     if stopping.is_alive():
         for child in multiprocessing.active_children():
             child.kill()
+
+
+def scratch_folder(out_dir, prefix):
+    """A new hidden folder in out_dir to build in, named prefix + host + pid, after removing the
+    ones earlier builds on this host left when they were killed outright (SIGKILL, the OOM killer):
+    they can hold a whole set of shards. A folder whose process still runs, or another host's (a
+    shared file system), is left alone. Returns (the new folder, [the folders removed])."""
+    host = re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname())
+    removed = []
+    for path in sorted(Path(out_dir).glob(f"{prefix}{host}-*")):
+        found = re.fullmatch(rf"{re.escape(prefix + host)}-(\d+)-[^/]*", path.name)
+        if found and path.is_dir() and not process_running(int(found[1])):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return Path(tempfile.mkdtemp(prefix=f"{prefix}{host}-{os.getpid()}-", dir=out_dir)), removed
+
+
+def process_running(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:   # another user's
+        pass
+    return True

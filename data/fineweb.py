@@ -28,15 +28,14 @@ import os
 import re
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numpy as np  # noqa: E402
 from cli_util import (DISK_ERRNOS, OneLineArgumentParser, WorkerDied, exit_status, fail, first_line,  # noqa: E402
-                      interruptions_held, leave_signals_to_the_parent, imap_while_workers_live, stop_pool,
-                      stopped_by_signals)
+                      interruptions_held, leave_signals_to_the_parent, imap_while_workers_live, scratch_folder,
+                      stop_pool, stopped_by_signals)
 from shards import BOS, GPT2_VOCAB_SIZE, MAX_TOKENS, ShardError, shard_name, train_gpt, write_shard  # noqa: E402
 
 DEFAULT_SHARD_SIZE = 100_000_000  # tokens; the size of the public FineWeb shards
@@ -180,8 +179,10 @@ def tokenize_to_shards(documents, out_dir, prefix, shard_size=DEFAULT_SHARD_SIZE
 
     with contextlib.ExitStack() as stack:
         if overwrite:  # removed however the build ends; the shards leave it only when all are written
-            build_dir = Path(tempfile.mkdtemp(prefix=f".{prefix}-build-", dir=out_dir))
+            build_dir, removed = scratch_folder(out_dir, f".{prefix}-build-")
             stack.callback(shutil.rmtree, build_dir, ignore_errors=True)
+            for path in removed:
+                log(f"{path}: removed, the scratch folder of an earlier build that was killed")
         if workers == 1:
             _init_worker(encoding)
             token_arrays = map(_tokenize_document, _checked_documents(documents))

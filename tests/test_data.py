@@ -10,8 +10,10 @@ import errno
 import importlib.util
 import json
 import os
+import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -651,3 +653,34 @@ def test_a_worker_killed_alone_ends_a_pool_build_in_one_line(tmp_path, gpt2, sig
                    "the build: out of memory? (the kernel's OOM killer sends SIGKILL; fewer --workers need less); the "
                    "shards written so far are complete (rerun with --overwrite to rebuild them all)\n"), err
     assert all(read_shard(path).size == 5000 for path in out.glob("fineweb_*.bin"))
+
+
+def ended_pid():
+    """The pid of a process that has ended (not reused this soon)."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_overwrite_removes_the_scratch_folders_of_builds_killed_outright(tmp_path, gpt2):
+    """A SIGKILL (the OOM killer) leaves the hidden folder an --overwrite build was writing, which
+    can hold a whole set of shards: the next --overwrite build on this host removes it, and leaves
+    the folder of a build still running, another host's, and anything not named like one."""
+    from cli_util import process_running
+    host = re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname())
+    dead, alive = ended_pid(), os.getppid()
+    assert not process_running(dead) and process_running(alive)
+    fineweb.tokenize_to_shards(["one two three"] * 4, tmp_path, "fineweb", shard_size=10, workers=1, encoding=gpt2,
+                       log=lambda _: None)
+    killed = tmp_path / f".fineweb-build-{host}-{dead}-abc123"
+    kept = [tmp_path / f".fineweb-build-{host}-{alive}-def456", tmp_path / f".fineweb-build-otherhost-{dead}-x",
+            tmp_path / ".fineweb-build-q1w2e3", tmp_path / f".sample-build-{host}-{dead}-y"]
+    for folder in [killed, *kept]:
+        folder.mkdir()
+        (folder / "fineweb_train_000001.bin").write_bytes(b"partial")
+    lines = []
+    fineweb.tokenize_to_shards(["four five six"] * 4, tmp_path, "fineweb", shard_size=10, workers=1, encoding=gpt2,
+                       overwrite=True, log=lines.append)
+    assert not killed.exists() and all(folder.exists() for folder in kept)
+    assert f"{killed}: removed, the scratch folder of an earlier build that was killed" in lines
+    assert not [p for p in tmp_path.glob(f".fineweb-build-{host}-{os.getpid()}-*")]   # its own, removed at the end
