@@ -28,6 +28,7 @@ the stdlib may differ too).
 """
 
 import ast
+import contextlib
 import errno
 import hashlib
 import io
@@ -37,7 +38,6 @@ import os
 import platform
 import random
 import re
-import shutil
 import sys
 import sysconfig
 import tokenize
@@ -253,18 +253,17 @@ def build_sample(out_dir=SAMPLE_DIR, limit=None, workers=None, overwrite=False, 
     if present and not overwrite:
         raise BuildError(f"{present[0]} already exists; pass --overwrite to replace the sample, or use --out")
     made = [d for d in (out_dir, *out_dir.parents) if not d.exists()]  # deepest first
-    scratch = manifest = None
+    manifest = None
     try:
+        stack = contextlib.ExitStack()
         try:  # made first: an --out that cannot be written fails before the build. Its own name: a
-            # .build folder of a build still running in --out is not this build's to remove.
+            # folder of a build still running in --out is not this build's to remove.
             if out_dir.exists() and not out_dir.is_dir():
                 raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
             out_dir.mkdir(parents=True, exist_ok=True)
-            scratch, removed = scratch_folder(out_dir, ".build-")
+            scratch = stack.enter_context(scratch_folder(out_dir, ".sample-build-", log))
         except OSError as e:
             raise BuildError(f"--out {out_dir}: cannot create a folder there ({e.strerror or e})") from None
-        for path in removed:
-            log(f"{path}: removed, the scratch folder of an earlier build that was killed")
         encoding = get_gpt2_encoding()
         sources = collect_sources(limit, workers or os.cpu_count() or 1)
         total_chars = sum(len(d) for _, docs in sources for d in docs)
@@ -291,8 +290,7 @@ def build_sample(out_dir=SAMPLE_DIR, limit=None, workers=None, overwrite=False, 
                 os.replace(path, out_dir / path.name)
             os.replace(scratch / MANIFEST, out_dir / MANIFEST)
     finally:
-        if scratch is not None:
-            shutil.rmtree(scratch, ignore_errors=True)
+        stack.close()
         if manifest is None:  # failed (an error, Ctrl-C): the folders this build made go too
             for folder in made:
                 try:

@@ -6,14 +6,17 @@ import errno
 import itertools
 import multiprocessing
 import os
-import re
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import threading
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:   # Windows: no leftover clean-up
+    fcntl = None
 
 
 class OneLineArgumentParser(argparse.ArgumentParser):
@@ -130,30 +133,41 @@ def _call_on_batch(func_and_batch):
     return [func(item) for item in batch]
 
 
-def imap_while_workers_live(pool, func, items, chunksize=1, poll_s=1.0):
-    """pool.imap(func, items, chunksize)'s results, in order, but WorkerDied as soon as one of the
-    pool's workers has ended: the pool starts another, and a task the dead one held is lost, so
-    imap would wait for it forever (and a worker that died idle says the machine is short of
-    memory all the same). pool._pool, the pool's own list of its processes, is the one place a dead
-    worker shows; the batches are made here because imap with a chunksize hides the timeout."""
+def imap_while_workers_live(pool, func, items, chunksize=1, poll_s=1.0, grace_s=10.0):
+    """pool.imap(func, items, chunksize)'s results, in order, but WorkerDied where one of the pool's
+    workers has ended and no result came for grace_s: the pool starts another worker, but a task
+    the dead one held is lost, and imap would wait for it forever. (A worker that died idle lost
+    nothing: the build goes on.) pool._pool, the pool's own list of its processes, is the one place
+    a dead worker shows; the batches are made here because imap with a chunksize hides the timeout."""
+    workers = list(pool._pool)
     items = iter(items)
     batches = iter(lambda: list(itertools.islice(items, chunksize)), [])
     results = pool.imap(_call_on_batch, ((func, batch) for batch in batches))
-    workers = list(pool._pool)
+    waited = 0.0
     while True:
         try:
             batch = results.next(timeout=poll_s)
         except StopIteration:
             return
         except multiprocessing.TimeoutError:
-            batch = []
-        for worker in workers:
-            code = worker.exitcode
-            if code is not None:
-                how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
-                raise WorkerDied(f"a worker process (pid {worker.pid}) {how} during the build: out of memory? "
-                                 "(the kernel's OOM killer sends SIGKILL; fewer --workers need less)") from None
+            waited += poll_s
+            dead = [worker for worker in workers if worker.exitcode is not None]
+            if dead and waited >= grace_s:
+                raise WorkerDied(f"a worker process (pid {dead[0].pid}) {how_it_ended(dead[0].exitcode)} during the "
+                                 "build: out of memory? (the kernel's OOM killer sends SIGKILL; fewer --workers need "
+                                 "less)") from None
+            continue
+        waited = 0.0
         yield from batch
+
+
+def how_it_ended(exitcode):
+    if exitcode >= 0:
+        return f"exited with status {exitcode}"
+    try:
+        return f"was killed by {signal.Signals(-exitcode).name}"
+    except ValueError:   # a real-time signal has no name
+        return f"was killed by signal {-exitcode}"
 
 
 def stop_pool(pool, seconds=5.0):
@@ -169,26 +183,33 @@ def stop_pool(pool, seconds=5.0):
             child.kill()
 
 
-def scratch_folder(out_dir, prefix):
-    """A new hidden folder in out_dir to build in, named prefix + host + pid, after removing the
-    ones earlier builds on this host left when they were killed outright (SIGKILL, the OOM killer):
-    they can hold a whole set of shards. A folder whose process still runs, or another host's (a
-    shared file system), is left alone. Returns (the new folder, [the folders removed])."""
-    host = re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname())
-    removed = []
-    for path in sorted(Path(out_dir).glob(f"{prefix}{host}-*")):
-        found = re.fullmatch(rf"{re.escape(prefix + host)}-(\d+)-[^/]*", path.name)
-        if found and path.is_dir() and not process_running(int(found[1])):
+@contextlib.contextmanager
+def scratch_folder(out_dir, prefix, log):
+    """A new hidden folder in out_dir to build in, removed when the block ends. It holds a locked
+    .lock file while it is in use; first, the folders named prefix* whose lock is free are removed
+    (their build was killed outright: SIGKILL, the OOM killer; they can hold a whole set of
+    shards). The kernel frees a dead process's lock, on any host and in any container; a folder
+    without a .lock (not one of ours) is left alone."""
+    out_dir = Path(out_dir)
+    if fcntl is not None:
+        for path in sorted(out_dir.glob(f"{prefix}*")):
+            lock = path / ".lock"
+            if path.is_symlink() or not path.is_dir() or not lock.is_file():
+                continue
+            try:
+                with open(lock) as held:
+                    fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)   # taken: its build is gone
+            except OSError:   # held by a build still running, or not ours to open
+                continue
             shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
-    return Path(tempfile.mkdtemp(prefix=f"{prefix}{host}-{os.getpid()}-", dir=out_dir)), removed
-
-
-def process_running(pid):
+            if not os.path.lexists(path):
+                log(f"{path}: removed, the scratch folder of an earlier build that was killed")
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir=out_dir))
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:   # another user's
-        pass
-    return True
+        with open(path / ".lock.new", "w") as lock:
+            if fcntl is not None:   # locked before it gets the name other builds look for
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                os.rename(path / ".lock.new", path / ".lock")
+            yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)

@@ -179,10 +179,7 @@ def tokenize_to_shards(documents, out_dir, prefix, shard_size=DEFAULT_SHARD_SIZE
 
     with contextlib.ExitStack() as stack:
         if overwrite:  # removed however the build ends; the shards leave it only when all are written
-            build_dir, removed = scratch_folder(out_dir, f".{prefix}-build-")
-            stack.callback(shutil.rmtree, build_dir, ignore_errors=True)
-            for path in removed:
-                log(f"{path}: removed, the scratch folder of an earlier build that was killed")
+            build_dir = stack.enter_context(scratch_folder(out_dir, f".{prefix}-build-", log))
         if workers == 1:
             _init_worker(encoding)
             token_arrays = map(_tokenize_document, _checked_documents(documents))

@@ -10,10 +10,8 @@ import errno
 import importlib.util
 import json
 import os
-import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -620,67 +618,95 @@ def test_a_signal_to_the_whole_group_ends_a_pool_build_in_one_line(tmp_path, gpt
     assert all(read_shard(path).size == 5000 for path in out.glob("fineweb_*.bin"))
 
 
-def child_pids(pid):
-    """The processes pid started (Linux: /proc/PID/task/*/children)."""
-    found = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        with contextlib.suppress(OSError):
-            found += [int(p) for p in (task / "children").read_text().split()]
-    return found
+POOL_STUCK = """
+import itertools, os, sys, time
+sys.path.insert(0, {data!r})
+import fineweb
+fineweb.get_gpt2_encoding = lambda: __import__("train_gpt").gpt2_encoding()
+fineweb.list_fineweb_files = lambda version: ["raw.parquet"]
+documents = ("STUCK" if i == 3000 else f"Document {{i}}: the quick brown fox." for i in itertools.count())
+fineweb.iter_fineweb_documents = lambda *a, **k: documents
+tokenize = fineweb._tokenize_document
+def tokenize_or_wait(text):  # the worker that gets STUCK holds its task until it is killed
+    if text == "STUCK":
+        with open({pid_file!r} + ".new", "w") as f:
+            f.write(str(os.getpid()))
+        os.replace({pid_file!r} + ".new", {pid_file!r})
+        time.sleep(3600)
+    return tokenize(text)
+fineweb._tokenize_document = tokenize_or_wait
+fineweb.main(["--out", {out!r}, "--shard-size", "5000", "--workers", "2"])
+"""
 
 
-@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds the workers in /proc")
 @pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM])
-def test_a_worker_killed_alone_ends_a_pool_build_in_one_line(tmp_path, gpt2, signum):
-    """The OOM killer picks one process: a tokenizer worker killed alone used to leave the build
-    waiting forever for the task it held (multiprocessing.Pool starts another and waits on)."""
-    out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-c", POOL_RUN.format(data=str(DATA), out=str(out))],
+def test_a_worker_killed_with_a_task_ends_a_pool_build_in_one_line(tmp_path, gpt2, signum):
+    """The OOM killer picks one process: a tokenizer worker killed alone in the middle of a task used
+    to leave the build waiting forever for it (multiprocessing.Pool starts another and waits on)."""
+    out, pid_file = tmp_path / "out", tmp_path / "stuck.pid"
+    proc = subprocess.Popen([sys.executable, "-c", POOL_STUCK.format(data=str(DATA), out=str(out),
+                                                                     pid_file=str(pid_file))],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 60
-        while not list(out.glob("fineweb_train_*.bin")) and time.monotonic() < deadline and proc.poll() is None:
+        while not pid_file.exists() and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.1)
-        workers = child_pids(proc.pid)
-        assert workers, "no worker processes found"
-        os.kill(workers[0], signum)
+        assert pid_file.exists(), f"no worker took the task (exit {proc.poll()})"
+        worker = int(pid_file.read_text())
+        os.kill(worker, signum)
         _, err = proc.communicate(timeout=60)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 1
-    assert err == (f"error: a worker process (pid {workers[0]}) was killed by {signal.Signals(signum).name} during "
+    assert err == (f"error: a worker process (pid {worker}) was killed by {signal.Signals(signum).name} during "
                    "the build: out of memory? (the kernel's OOM killer sends SIGKILL; fewer --workers need less); the "
                    "shards written so far are complete (rerun with --overwrite to rebuild them all)\n"), err
     assert all(read_shard(path).size == 5000 for path in out.glob("fineweb_*.bin"))
 
 
-def ended_pid():
-    """The pid of a process that has ended (not reused this soon)."""
-    proc = subprocess.Popen([sys.executable, "-c", "pass"])
-    proc.wait()
-    return proc.pid
-
-
 def test_overwrite_removes_the_scratch_folders_of_builds_killed_outright(tmp_path, gpt2):
     """A SIGKILL (the OOM killer) leaves the hidden folder an --overwrite build was writing, which
-    can hold a whole set of shards: the next --overwrite build on this host removes it, and leaves
-    the folder of a build still running, another host's, and anything not named like one."""
-    from cli_util import process_running
-    host = re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname())
-    dead, alive = ended_pid(), os.getppid()
-    assert not process_running(dead) and process_running(alive)
-    fineweb.tokenize_to_shards(["one two three"] * 4, tmp_path, "fineweb", shard_size=10, workers=1, encoding=gpt2,
-                       log=lambda _: None)
-    killed = tmp_path / f".fineweb-build-{host}-{dead}-abc123"
-    kept = [tmp_path / f".fineweb-build-{host}-{alive}-def456", tmp_path / f".fineweb-build-otherhost-{dead}-x",
-            tmp_path / ".fineweb-build-q1w2e3", tmp_path / f".sample-build-{host}-{dead}-y"]
-    for folder in [killed, *kept]:
+    can hold a whole set of shards: the next --overwrite build removes it (its lock is free), and
+    leaves the folder of a build still running (its lock held), a folder without a lock and a
+    link."""
+    import fcntl
+    fineweb.tokenize_to_shards(["one two three"] * 4, tmp_path, "fineweb", shard_size=10, workers=1,
+                               encoding=gpt2, log=lambda _: None)
+    killed, running, other = (tmp_path / f".fineweb-build-{name}" for name in ("killed", "running", "other"))
+    for folder in (killed, running, other):
         folder.mkdir()
         (folder / "fineweb_train_000001.bin").write_bytes(b"partial")
-    lines = []
-    fineweb.tokenize_to_shards(["four five six"] * 4, tmp_path, "fineweb", shard_size=10, workers=1, encoding=gpt2,
-                       overwrite=True, log=lines.append)
-    assert not killed.exists() and all(folder.exists() for folder in kept)
+    (killed / ".lock").write_text("")
+    (running / ".lock").write_text("")
+    (tmp_path / ".fineweb-build-link").symlink_to(killed)
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1]); "
+                               "fcntl.flock(f, fcntl.LOCK_EX); print(flush=True); time.sleep(60)",
+                               str(running / ".lock")], stdout=subprocess.PIPE, text=True)
+    try:
+        holder.stdout.readline()   # the running build's lock is held
+        lines = []
+        fineweb.tokenize_to_shards(["four five six"] * 4, tmp_path, "fineweb", shard_size=10, workers=1,
+                                   encoding=gpt2, overwrite=True, log=lines.append)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert not killed.exists() and running.exists() and other.exists()
     assert f"{killed}: removed, the scratch folder of an earlier build that was killed" in lines
-    assert not [p for p in tmp_path.glob(f".fineweb-build-{host}-{os.getpid()}-*")]   # its own, removed at the end
+    assert sorted(p.name for p in tmp_path.glob(".fineweb-build-*")) == [".fineweb-build-link",
+                                                                        ".fineweb-build-other",
+                                                                        ".fineweb-build-running"]
+    with open(running / ".lock") as f:   # the holder is gone now: its lock is free again
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def test_the_sample_builder_removes_the_scratch_folder_of_one_killed_outright(tmp_path):
+    out = tmp_path / "sample"
+    (out / ".sample-build-killed").mkdir(parents=True)
+    (out / ".sample-build-killed" / ".lock").write_text("")
+    lines = []
+    build_sample.build_sample(out, limit=25, workers=1, log=lines.append)
+    assert not (out / ".sample-build-killed").exists()
+    assert lines[0] == f"{out / '.sample-build-killed'}: removed, the scratch folder of an earlier build that was killed"
+    assert sorted(p.name for p in out.iterdir()) == sorted(["MANIFEST.json", build_sample.shard_name(
+        build_sample.PREFIX, 0), build_sample.shard_name(build_sample.PREFIX, 1)])
