@@ -197,7 +197,7 @@ def scratch_folder(out_dir, prefix, log):
             if path.is_symlink() or not path.is_dir() or not lock.is_file():
                 continue
             try:
-                with open(lock) as held:
+                with open(lock, "r+") as held:   # writable: NFS takes an exclusive lock only so
                     fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)   # taken: its build is gone
             except OSError:   # held by a build still running, or not ours to open
                 continue
