@@ -334,7 +334,7 @@ def test_warm_phase_compiles_the_main_run_for_one_step_and_copies_the_peer(tmp_p
     """--phases env,warm,train on CPU: the warm phase runs the train phase's main configuration
     for one step (its compilation is what fills the caches), with the same settings but the
     four that do not reach a compiled graph; the peer's copy is made for one step (it needs CUDA
-    to run); neither touches records/; the marker of a running warm phase is gone after it."""
+    to run); the logs stay in --out; the marker of a running warm phase is gone after it."""
     out, cache = tmp_path / "out", tmp_path / "inductor"
     result = run("--cpu-smoke", "--out", str(out), "--phases", "env,warm,train", "--ns-methods", "newton_schulz",
                  "--main-flags", "--compile_scope blocks", "--variants", "",
@@ -353,6 +353,10 @@ def test_warm_phase_compiles_the_main_run_for_one_step_and_copies_the_peer(tmp_p
     assert differ == {"num_iterations", "val_every", "log_dir", "run_name"}, differ
     assert warm["values"]["autotune_choices_removed"] == 0   # the CPU's kernels are C++: nothing tuned
     assert cache.is_dir() and not (cache / "gpu_proof_warm_began").exists()
+    if PEER.exists():
+        copy = (out / "warm" / "peer" / PEER.name).read_text()
+        assert "num_iterations = 1 #" in copy and "val_tokens = 262144 #" in copy
+        assert "peer: needs CUDA, not run (its copy was made)" in warm["notes"]
     if PEER.exists():
         copy = (out / "warm" / "peer" / PEER.name).read_text()
         assert "num_iterations = 1 #" in copy and "val_tokens = 262144 #" in copy
