@@ -23,7 +23,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cli_util import DISK_ERRNOS, OneLineArgumentParser, exit_status, fail, first_line, stopped_by_signals  # noqa: E402
+from cli_util import (DISK_ERRNOS, OneLineArgumentParser, exit_status, fail, first_line, os_error_text,  # noqa: E402
+                      stopped_by_signals)
 from shards import ShardError, read_header, read_shard, shard_name, shard_nbytes  # noqa: E402
 
 REPO_ID = "kjj0/fineweb10B-gpt2"
@@ -80,7 +81,8 @@ def download_shards(names, dest_dir=DEST_DIR, fetch=hf_fetch, log=print):
     dest_dir = Path(dest_dir)
     staging_dir = dest_dir / STAGING_NAME
     dest_dir.mkdir(parents=True, exist_ok=True)
-    missing = [name for name in names if not _complete(dest_dir / name)]
+    found = {name: _shard_state(dest_dir / name) for name in names}   # each header read once
+    missing = [name for name in names if not isinstance(found[name], int)]
     needed, free = len(missing) * shard_nbytes(SHARD_TOKENS), shutil.disk_usage(dest_dir).free
     if needed > free:  # now, not at a full disk minutes into the download
         raise DownloadError(f"{dest_dir}: {len(missing)} files to download need {needed / 1e9:.1f} GB, "
@@ -90,15 +92,11 @@ def download_shards(names, dest_dir=DEST_DIR, fetch=hf_fetch, log=print):
         final = dest_dir / name
         tag = f"[{number}/{len(names)}] {final}"
         paths.append(final)
-        if final.exists():
-            try:
-                count = read_header(final)
-                log(f"{tag}: present, {count:,} tokens, skipped")
-                continue
-            except ShardError as error:
-                log(f"{tag}: incomplete or damaged ({error}); fetching it again")
-        else:
-            log(f"{tag}: downloading")
+        state = found[name]
+        if isinstance(state, int):
+            log(f"{tag}: present, {state:,} tokens, skipped")
+            continue
+        log(f"{tag}: incomplete or damaged ({state}); fetching it again" if state else f"{tag}: downloading")
         staging_dir.mkdir(exist_ok=True)
         try:
             fetched = Path(fetch(name, staging_dir))
@@ -125,12 +123,15 @@ def download_shards(names, dest_dir=DEST_DIR, fetch=hf_fetch, log=print):
     return paths
 
 
-def _complete(path):
+def _shard_state(path):
+    """The token count of the shard at path; the ShardError where it is truncated or damaged; None
+    where there is no file."""
+    if not path.exists():
+        return None
     try:
-        read_header(path)
-        return True
-    except ShardError:  # absent, truncated or damaged
-        return False
+        return read_header(path)
+    except ShardError as error:
+        return error
 
 
 def _train_shard_count(text):
@@ -158,8 +159,7 @@ def main(argv=None, fetch=hf_fetch, dest_dir=DEST_DIR):
     except KeyboardInterrupt as interruption:
         fail("interrupted; rerun the same command to resume (finished files are kept)", exit_status(interruption))
     except OSError as error:  # a full disk, a read-only folder, ...
-        where = f"{error.filename}: " if error.filename else ""
-        fail(f"{where}{error.strerror or error}; free space or fix permissions, then rerun (finished files are kept)")
+        fail(f"{os_error_text(error)}; free space or fix permissions, then rerun (finished files are kept)")
     size = sum(p.stat().st_size for p in paths)
     print(f"done: {len(paths)} files, {size / 1e9:.2f} GB in {dest_dir}")
 

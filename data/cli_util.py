@@ -60,6 +60,11 @@ def first_line(error):
     return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
 
 
+def os_error_text(error):
+    """'<file>: <what the system says>', for the one-line report of an OSError (a full disk, ...)."""
+    return f"{error.filename}: {error.strerror or error}" if error.filename else str(error.strerror or error)
+
+
 # An OSError with one of these is the disk's or the folder's to fix, not the network's
 DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM}
 INTERRUPTIONS = [signum for signum in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None))

@@ -34,8 +34,8 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numpy as np  # noqa: E402
 from cli_util import (DISK_ERRNOS, OneLineArgumentParser, WorkerDied, exit_status, fail, first_line,  # noqa: E402
-                      interruptions_held, leave_signals_to_the_parent, imap_while_workers_live, scratch_folder,
-                      stop_pool, stopped_by_signals)
+                      imap_while_workers_live, interruptions_held, leave_signals_to_the_parent, os_error_text,
+                      scratch_folder, stop_pool, stopped_by_signals)
 from shards import BOS, GPT2_VOCAB_SIZE, MAX_TOKENS, ShardError, shard_name, train_gpt, write_shard  # noqa: E402
 
 DEFAULT_SHARD_SIZE = 100_000_000  # tokens; the size of the public FineWeb shards
@@ -314,8 +314,7 @@ def main(argv=None):
             left = f"the new shards were all in place in {out_dir} first"
         fail(f"interrupted; {left}", exit_status(interruption))
     except OSError as error:  # a full disk, a read-only folder, ...
-        where = f"{error.filename}: " if error.filename else ""
-        fail(f"{where}{error.strerror or error}; {left}")
+        fail(f"{os_error_text(error)}; {left}")
     if not args.keep_raw:
         shutil.rmtree(out_dir / ".raw", ignore_errors=True)  # only hf_hub_download's metadata is left there
     print(f"done: {len(written)} shards, {sum(n for _, n in written):,} tokens in {out_dir}")
