@@ -186,6 +186,32 @@ def test_running_out_of_data_stops_cleanly(tmp_path, make_shards, val_every):
     assert PEAK.search(text.splitlines()[-1])
 
 
+def test_the_clock_counts_the_step_that_found_the_data_gone(make_shards, monkeypatch):
+    """With a validation every step the data runs out right after one: the clock restarted after
+    that validation and runs until the loop ends, so the time of the step that found no window
+    (here 60 ms more) is in the run's training time, not lost."""
+    next_batch = train_gpt.TrainBatches.next_batch
+
+    def slow_when_empty(self, device):
+        try:
+            return next_batch(self, device)
+        except train_gpt.DataExhausted:
+            time.sleep(0.06)
+            raise
+    monkeypatch.setattr(train_gpt.TrainBatches, "next_batch", slow_when_empty)
+    train_glob, val_glob, _ = make_shards(train_sizes=(1_000,))
+    args = train_gpt.Hyperparameters(**dict(TINY, train_files=train_glob, val_files=val_glob, num_iterations=50,
+                                            val_every=1))
+    train_gpt.check_config(args, 1, False)
+    lines = []
+    result = train_gpt.train(args, train_gpt.Ranks(), train_gpt.Hardware.detect(args),
+                             lambda text, **kwargs: lines.append(text))
+    assert result.stopped_early and result.steps_done < 50
+    last_val = [STEP_VAL.match(line) for line in lines if STEP_VAL.match(line)][-1]
+    assert int(last_val.group(1)) == result.steps_done
+    assert result.train_time_ms >= int(last_val.group(4)) + 50
+
+
 def test_shards_too_small_for_one_step_are_refused_before_anything_starts(tmp_path, make_shards):
     """No shard holds one step's windows (the loader's room rule): nothing could train, so the run
     stops in one line before compiling, instead of warning and failing after."""
