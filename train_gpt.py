@@ -2366,16 +2366,18 @@ class TrainBatches:
 
     def _next_window(self):
         """The next global window: seq_len + 1 tokens starting at a BOS, inside one shard."""
-        if self.windows_taken % self.windows_per_step == 0 and not self._room_for_a_step():
-            self._advance_shard()
+        step_starts = self.windows_taken % self.windows_per_step == 0
         while True:
             shard = self._shard
+            if step_starts and not self._room_for_a_step():  # every shard a step moves to is tested too:
+                self._advance_shard()                        # one too small for a step is passed over
+                continue
             i = self._next_bos(self._cursor)
             if i < len(shard.bos) and int(shard.bos[i]) + self.seq_len + 1 <= shard.tokens.numel():
                 start = int(shard.bos[i])
                 self._cursor = start + self.seq_len
                 return shard.tokens[start:start + self.seq_len + 1]
-            self._advance_shard()  # (only when a step's windows outgrow their budget) no whole window left
+            self._advance_shard()  # no whole window left: a shard without a BOS, or a step outgrew its budget
 
     def close(self):
         self._pool.shutdown(wait=True, cancel_futures=True)

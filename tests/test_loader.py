@@ -71,6 +71,30 @@ def test_windows_follow_the_records_rule_and_drop_shard_tails(make_shards, windo
     assert loader.windows_taken == len(expected)
 
 
+@pytest.mark.parametrize("sizes", [(5_000, 600, 4_000), (5_000, 1_500, 5_000), (5_000, 600)])
+def test_a_shard_too_small_for_a_step_is_passed_over(make_shards, tmp_path, sizes):
+    """A step moves on from a shard without room for it to the next shard that has room: every
+    shard it moves to is tested (one too small used to start a step that ended in the next shard,
+    or in no shard at all, the data running out mid-step). A shard without a BOS is passed over
+    the same way."""
+    train_glob, _, (trains, _) = make_shards(train_sizes=sizes, max_len=150)
+    files = train_gpt.find_shards(train_glob, "training")
+    seq_len, per_step = 256, 3
+    expected = reference_windows(trains, seq_len, per_step)
+    loader = train_gpt.TrainBatches(files, seq_len, rank=0, world_size=1, windows_per_step=per_step)
+    got = [inputs for inputs, _ in drain(loader)]
+    assert len(got) == len(expected) and len(got) % per_step == 0 and loader.windows_taken == len(got)
+    for inputs, (_, _, window) in zip(got, expected):
+        assert torch.equal(inputs, torch.from_numpy(window[:-1]).long())
+    no_bos = tmp_path / "nobos_train_000002.bin"  # between the first shard and the last
+    write_shard(no_bos, np.full(4_000, 13))
+    with_no_bos = [files[0], str(no_bos), files[-1]]
+    passed_over = drain(train_gpt.TrainBatches(with_no_bos, seq_len, 0, 1, windows_per_step=per_step))
+    left_out = drain(train_gpt.TrainBatches([files[0], files[-1]], seq_len, 0, 1, windows_per_step=per_step))
+    assert len(passed_over) == len(left_out) > 0
+    assert all(torch.equal(a, b) for (a, _), (b, _) in zip(passed_over, left_out))
+
+
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_ranks_split_the_same_windows_without_overlap(make_shards, world_size):
     train_glob, _, (trains, _) = make_shards(train_sizes=(6_000, 6_000))
