@@ -1791,20 +1791,6 @@ def adam_apply(param, grad, exp_avg, exp_avg_sq, lr, scale, beta1, beta2, eps):
     param.sub_(exp_avg.div(exp_avg_sq.sqrt().add_(eps)).mul_(lr * scale))
 
 
-def lr_factor_at(step, args):
-    """Constant, then a linear cooldown over the last cooldown_frac of training to final_lr_frac."""
-    progress = step / args.num_iterations
-    if progress < 1 - args.cooldown_frac or args.cooldown_frac == 0:
-        return 1.0
-    w = (1 - progress) / args.cooldown_frac
-    return w + (1 - w) * args.final_lr_frac
-
-
-def muon_momentum_at(step, args):
-    frac = min(step / args.muon_momentum_warmup_steps, 1.0) if args.muon_momentum_warmup_steps else 1.0
-    return (1 - frac) * args.muon_momentum_start + frac * args.muon_momentum_end
-
-
 # -----------------------------------------------------------------------------------------------
 # 6. Model
 #
@@ -2199,13 +2185,6 @@ def param_specs(model, args):
     return specs
 
 
-def long_window_blocks_at(step, args):
-    """The long attention window in blocks: window_growth_tokens x progress, rounded up to whole
-    blocks, at least one (the record's rule: 1 block at the start, 14 at the end)."""
-    tokens = args.window_growth_tokens * (step / args.num_iterations)
-    return max(1, int(-(-tokens // args.attn_block_size)))  # float floor division is exact: a true ceiling
-
-
 # -----------------------------------------------------------------------------------------------
 # 7. Data
 #
@@ -2215,7 +2194,8 @@ def long_window_blocks_at(step, args):
 # inputs, so no token is an input twice and the tokens skipped between windows are only the tail
 # of a document. As in the record, a step's windows come from one shard: a step starts in the next
 # shard when at most 2 x (windows per step) x seq_len + 1 tokens are left from the BOS it would
-# start at, and the rest of the shard is dropped. Windows are numbered globally and rank r takes
+# start at, and the rest of the shard is dropped (a next shard without that room is passed over
+# too, where the record would start a step in it). Windows are numbered globally and rank r takes
 # windows r, r+W, r+2W, ...: the data a step sees is the same for every world size (and the
 # record's token stream). The next shard is read by a background thread.
 
@@ -2678,6 +2658,28 @@ class StopSignals:
         """The last line's reason where a second signal stopped the loop mid-step."""
         first, repeat = signal.Signals(self.signum).name, signal.Signals(self.repeat).name
         return f"{first} twice" if first == repeat else f"{first} then {repeat}"
+
+
+# --- the schedules, by step ----------------------------------------------------------------------
+def lr_factor_at(step, args):
+    """Constant, then a linear cooldown over the last cooldown_frac of training to final_lr_frac."""
+    progress = step / args.num_iterations
+    if progress < 1 - args.cooldown_frac or args.cooldown_frac == 0:
+        return 1.0
+    w = (1 - progress) / args.cooldown_frac
+    return w + (1 - w) * args.final_lr_frac
+
+
+def muon_momentum_at(step, args):
+    frac = min(step / args.muon_momentum_warmup_steps, 1.0) if args.muon_momentum_warmup_steps else 1.0
+    return (1 - frac) * args.muon_momentum_start + frac * args.muon_momentum_end
+
+
+def long_window_blocks_at(step, args):
+    """The long attention window in blocks: window_growth_tokens x progress, rounded up to whole
+    blocks, at least one (the record's rule: 1 block at the start, 14 at the end)."""
+    tokens = args.window_growth_tokens * (step / args.num_iterations)
+    return max(1, int(-(-tokens // args.attn_block_size)))  # float floor division is exact: a true ceiling
 
 
 def peak_memory_line(hw):
