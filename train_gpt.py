@@ -2452,7 +2452,7 @@ def resolve_data_files(args):
 
 def data_shortfall(files, args, without_bos=()):
     """Warnings (lines) if some training shards hold no BOS token (without_bos; files are the
-    others) or the shards cannot last num_iterations steps. Windows skip the tails of documents,
+    others) or too few tokens for a step, or the shards cannot last num_iterations steps. Windows skip the tails of documents,
     so the need is a lower bound. A DataError where nothing would train (after minutes of
     compiling): no shard holds a BOS, where every window starts, or none has room for one step
     (the loader's rule)."""
@@ -2467,7 +2467,11 @@ def data_shortfall(files, args, without_bos=()):
         raise DataError(f"{files[sizes.index(max(sizes))]}: the largest training shard holds {max(sizes):,} tokens, "
                         f"but a step of micro_batches x train_seq_len = {args.micro_batches} x {args.train_seq_len} "
                         f"needs a shard of more than {room:,} (2 x {args.micro_batches} x {args.train_seq_len} + 1)")
-    have = sum(size for size in sizes if size > room)  # the loader passes over the others
+    small = [f for f, size in zip(files, sizes) if size <= room]  # the loader passes over them
+    if small:
+        warnings.append(f"warning: {len(small)} training shard(s) hold at most {room:,} tokens, too few for a step "
+                        f"(2 x micro_batches x train_seq_len + 1), and are passed over, the first {small[0]}")
+    have = sum(size for size in sizes if size > room)
     need = args.num_iterations * args.micro_batches * args.train_seq_len
     if have < need:
         warnings.append(f"warning: the {len(files)} training shard(s) hold {have:,} tokens but {args.num_iterations} "

@@ -86,6 +86,11 @@ def test_a_shard_too_small_for_a_step_is_passed_over(make_shards, tmp_path, size
     assert len(got) == len(expected) and len(got) % per_step == 0 and loader.windows_taken == len(got)
     for inputs, (_, _, window) in zip(got, expected):
         assert torch.equal(inputs, torch.from_numpy(window[:-1]).long())
+    # set-up names it in a warning, before anything starts
+    args = train_gpt.Hyperparameters(micro_batches=per_step, train_seq_len=seq_len, num_iterations=1)
+    assert train_gpt.data_shortfall(files, args) == [
+        f"warning: 1 training shard(s) hold at most 1,537 tokens, too few for a step (2 x micro_batches x "
+        f"train_seq_len + 1), and are passed over, the first {files[1]}"]
     no_bos = tmp_path / "nobos_train_000002.bin"  # between the first shard and the last
     write_shard(no_bos, np.full(4_000, 13))
     with_no_bos = [files[0], str(no_bos), files[-1]]
