@@ -16,9 +16,10 @@ from shards import BOS, write_shard
 
 def reference_windows(shards, seq_len, windows_per_step):
     """The record's loader, restated on numpy arrays (its find_batch_starts and generator): before
-    each step, if pos + 2 * windows_per_step * seq_len + 1 >= len(shard), move to the next shard at
-    pos 0; each window starts at the first BOS >= pos, and pos moves on to the first BOS >=
-    start + seq_len. Yields (shard index, start, window)."""
+    each step, while pos + 2 * windows_per_step * seq_len + 1 >= len(shard), move to the next shard
+    at pos 0 (the record tests once, so a shard too small for a step would start one: the same on
+    shards with room); each window starts at the first BOS >= pos, and pos moves on to the first
+    BOS >= start + seq_len. Yields (shard index, start, window)."""
     out, shard_index, pos = [], 0, 0
     bos = [np.flatnonzero(t == BOS) for t in shards]
     while True:
@@ -83,6 +84,7 @@ def test_a_shard_too_small_for_a_step_is_passed_over(make_shards, tmp_path, size
     expected = reference_windows(trains, seq_len, per_step)
     loader = train_gpt.TrainBatches(files, seq_len, rank=0, world_size=1, windows_per_step=per_step)
     got = [inputs for inputs, _ in drain(loader)]
+    loader.close()
     assert len(got) == len(expected) and len(got) % per_step == 0 and loader.windows_taken == len(got)
     for inputs, (_, _, window) in zip(got, expected):
         assert torch.equal(inputs, torch.from_numpy(window[:-1]).long())
