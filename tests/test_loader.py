@@ -274,3 +274,24 @@ def test_a_loader_started_from_a_state_continues_the_stream_reading_each_shard_o
     assert read == [os.path.basename(f) for f in files[1:]]
     assert len(resumed_rest) == len(rest) and all(torch.equal(a, b) for a, b in zip(resumed_rest, rest))
     assert resumed.windows_taken == whole.windows_taken
+
+
+def test_data_running_out_mid_step_leaves_the_position_where_that_step_began(make_shards):
+    """Documents longer than a window's budget make a step's windows outgrow the room tested at
+    its start, so the last shard can run out mid-step. The loader's state is then where that step
+    began: resumed with one more shard, it yields what a loader over all of them yields from that
+    step on (a mid-step position would shift every later step's windows)."""
+    train_glob, _, _ = make_shards(train_sizes=(3_000, 3_000, 3_000), max_len=400)
+    files = train_gpt.find_shards(train_glob, "training")
+    seq_len, per_step = 32, 3   # each window takes a document, about 200 tokens: over its budget of 64
+    short = train_gpt.TrainBatches(files[:2], seq_len, 0, 1, windows_per_step=per_step)
+    taken = len(drain(short))
+    state = short.state()
+    short.close()
+    assert taken % per_step != 0, "the data must run out mid-step for this test"
+    assert state["windows_taken"] == taken - taken % per_step and state["shard"] == 1
+    whole = [x for x, _ in drain(train_gpt.TrainBatches(files, seq_len, 0, 1, windows_per_step=per_step))]
+    resumed = [x for x, _ in drain(train_gpt.TrainBatches(files, seq_len, 0, 1, windows_per_step=per_step,
+                                                          start=state))]
+    assert len(resumed) == len(whole) - state["windows_taken"] > per_step
+    assert all(torch.equal(a, b) for a, b in zip(resumed, whole[state["windows_taken"]:]))
