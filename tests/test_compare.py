@@ -211,6 +211,17 @@ def test_parse_cpu_header_and_gpu_count():
     assert one_gpu.hardware == "1x NVIDIA H200"
 
 
+def test_parse_the_trainers_own_lines_where_nvidia_smi_or_triton_is_missing():
+    """train_gpt.py names rank 0's GPU in one line where nvidia-smi cannot run, and says Triton is
+    not installed where it is not; a separator may carry trailing spaces (an editor's)."""
+    text = make_log().replace(nvidia_smi(H100, 8, "570.148.08", "Sun Jul 13 01:45:26 2025"),
+                              f"GPU: {H100} (nvidia-smi unavailable)")
+    text = text.replace("Running Triton version 3.9.0", "Running Triton version not installed")
+    run = compare.parse_log_text(text.replace(SEP + "\n", SEP + "  \n"))
+    assert run.usable, run.problems
+    assert run.hardware == f"8x {H100}" and run.triton_version is None and run.software.endswith("Triton n/a")
+
+
 def test_parse_single_separator_has_no_header():
     text = make_log()
     only_training = text[text.rindex(SEP):]
@@ -250,9 +261,10 @@ def test_every_truncation_is_caught_and_never_crashes():
         (make_log(peak=False), "truncated: no 'peak memory' line"),
         (make_log() + make_log().split(SEP)[-1], "several runs in one file"),
         (make_log(steps=20) + make_log(steps=24).split(SEP)[-1], "disagree on the step count (20, 24)"),
+        (make_log(3.2700) + make_log(), "2 'Running Python' lines: several runs in one file?"),
         (make_log().replace("val_loss:3.2790", "val_loss:nan"), "final validation loss is nan"),
     ],
-    ids=["no-separator", "unfinished", "no-peak-memory", "two-runs", "two-step-counts", "nan-loss"],
+    ids=["no-separator", "unfinished", "no-peak-memory", "two-runs", "two-step-counts", "two-whole-logs", "nan-loss"],
 )
 def test_parse_problems(text, problem):
     run = compare.parse_log_text(text)
@@ -513,6 +525,26 @@ def test_an_out_that_is_a_file_is_refused_before_the_table(good_runs, tmp_path, 
         assert capsys.readouterr() == ("", f"compare.py: error: --out={out}: {problem}\n")
     assert afile.read_text() == "mine"
     assert not (good_runs / "statistics.md").exists()
+
+
+def test_statistics_of_ours_are_replaced_a_file_a_person_wrote_is_kept(good_runs, tmp_path, capsys):
+    """statistics.md is compare.py's output, made again from the logs at every run; a file of that
+    name without its mark is someone's and stays. An empty --out (an unset variable) is refused
+    rather than taken for the current folder."""
+    assert compare.main([str(good_runs)]) == 0
+    ours = (good_runs / "statistics.md").read_text()
+    (good_runs / "statistics.md").write_text(ours.replace("| 6 of 6 |", "| old |"))
+    assert compare.main([str(good_runs)]) == 0 and (good_runs / "statistics.md").read_text() == ours
+    (good_runs / "statistics.md").write_text("my notes")
+    capsys.readouterr()
+    assert compare.main([str(good_runs)]) == 1
+    assert capsys.readouterr().err == (f"compare.py: error: {good_runs / 'statistics.md'}: exists and was not "
+                                       "written by compare.py; move it, or write elsewhere with --out DIR\n")
+    assert (good_runs / "statistics.md").read_text() == "my notes"
+    with pytest.raises(SystemExit) as exit_:
+        compare.main([str(good_runs), "--out", ""])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == "compare.py: error: --out='': an empty path (an unset variable?); name a folder\n"
 
 
 def test_main_fails_on_missing_baseline_and_self_comparison(good_runs, tmp_path, capsys):
