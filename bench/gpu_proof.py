@@ -5,6 +5,8 @@ of train_gpt.py works, and how fast it is.
     python bench/gpu_proof.py --out DIR --phases env,warm     # then, on the same machine: env,peer,train
     python bench/gpu_proof.py --cpu-smoke --out DIR          # every phase at tiny sizes on CPU
     python bench/gpu_proof.py --merge A/report.json B/report.json ... [--out DIR]
+    python bench/gpu_proof.py --lease 1 --out DIR     # a 15-minute lease's first call; then:
+    python bench/gpu_proof.py --lease 2 --total SECONDS --out DIR
 
 writes DIR/report.md (tables to read) and DIR/report.json (the same figures). Phases:
   env      versions of Python, torch, triton, CUDA and the driver; GPU name, SMs, memory
@@ -83,6 +85,25 @@ SMOKE_VAL_TOKENS = 512
 PROOF_SETS = {"preset", "num_iterations", "val_tokens", "val_every", "train_files", "val_files", "log_dir",
               "run_name", "ns_method"}
 DEFAULT_VARIANTS = "--compile_scope blocks"   # the departure the main run (the record's whole-model compile) lacks
+# --total: what a phase may take is cut to what is left of the command's time less this margin: the
+# worker's backstop (20 s over its budget) and its SIGKILL grace (10 s), then the report.
+TOTAL_MARGIN_S = 35
+MIN_PHASE_S = 30                     # with less left than this (or than its budget), a phase is skipped
+# This project's GPU lease: 15 minutes of device time, a machine that takes 0.5 to 2 minutes to
+# start and goes back after 30 s idle, commands of at most 10 minutes: two calls, back to back.
+# Which two depends on the GPU, told by its memory (nvidia-smi, before any CUDA context): an H100
+# (80 GiB) starts the record script in about 412 s, so ours is timed in the first call and the
+# record in the second, if the lease has time left for it (PEER_MIN_S), else one GPU's kernel
+# stacks; on an H200 (141 GiB) the record's cold start-up outlasted 485 s, so the first call
+# compiles both at once (warm) and the second times both from warm caches, the record first.
+PEER_MIN_S = 500                     # the peer phase took 466 s unprofiled on an H100, about 490 s profiled
+LEASE_PLANS = {
+    "one at a time": {1: dict(phases="env,train", total=420, budgets={"train": 395}),
+                      2: dict(phases="env,peer"),
+                      "short": dict(phases="env,kernels", kernel_gpus="1")},
+    "together": {1: dict(phases="env,warm", total=570),
+                 2: dict(phases="env,peer,train")},
+}
 ORTHO_MIN_ROWS = 384                 # rows per kernel and orthogonalize check on a GPU (see phase_correct)
 FP8_BOUNDS = {"logits": 0.08, "grad_x": 0.08, "grad_w": 0.08}  # e4m3/e5m2 round to 2^-4/2^-3: ~4% expected
 
@@ -98,7 +119,7 @@ class OneLineParser(argparse.ArgumentParser):
 def parse_args(argv):
     p = OneLineParser(prog="gpu_proof.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", help="folder for report.md, report.json, data and logs (must not hold a report yet)")
-    p.add_argument("--phases", default=",".join(DEFAULT_PHASES),
+    p.add_argument("--phases", default=None,
                    help=f"comma-separated subset of {','.join(PHASES)} (default {','.join(DEFAULT_PHASES)})")
     p.add_argument("--steps", type=int, default=None, help="training steps of the main and peer runs (default 60; "
                    "4 with --cpu-smoke)")
@@ -108,7 +129,7 @@ def parse_args(argv):
                    help="ns_methods the train phase runs, the first for --steps (default: the trainer's default "
                         "first, then the others)")
     p.add_argument("--main-flags", default="", help="trainer flags of the main run (default none: the preset)")
-    p.add_argument("--variants", default=DEFAULT_VARIANTS,
+    p.add_argument("--variants", default=None,
                    help="trainer flags of the runs after the main one, one run per ';'-separated set (a ';' "
                         "before a flag separates sets; quote values as in a shell), before "
                         f"the other ns_methods' runs (default {DEFAULT_VARIANTS!r}; '' for none)")
@@ -125,6 +146,16 @@ def parse_args(argv):
     p.add_argument("--kernel-gpus", default=None, metavar="W,W",
                    help="world sizes whose per-rank Muon stacks the kernels phase times, in this order (1 and/or 8; "
                         "default 8,1, on --cpu-smoke 8): a short budget can go to those not yet timed")
+    p.add_argument("--total", type=float, default=None, metavar="SECONDS",
+                   help="the whole command's time: each phase's budget is cut to what is left of it (less "
+                        f"{TOTAL_MARGIN_S} s), so a phase ends on its own budget with its figures; one that would get "
+                        f"under {MIN_PHASE_S} s is skipped")
+    p.add_argument("--lease", type=int, choices=(1, 2), default=None,
+                   help="call 1 or 2 of a 15-minute GPU lease (bench/README.md): sets --phases, --ns-methods, "
+                        "--variants and the budgets by the GPU's memory (call 2 needs --total: the time left)")
+    p.add_argument("--report-copy", default=None, metavar="PATH",
+                   help="also write report.json here after every phase (e.g. $OUT/1.json: it comes back even "
+                        "where the command is killed before a cp after it)")
     p.add_argument("--cpu-smoke", action="store_true", help="every phase at tiny sizes on CPU (Triton interpreted)")
     p.add_argument("--merge", nargs="+", metavar="REPORT_JSON", help="merge these reports (later phases win) into "
                    "--out (default records/gpu_proof/<date>_<device>; --cpu-smoke reports: an --out outside it)")
@@ -140,6 +171,23 @@ def parse_args(argv):
         return opts
     if not opts.out:
         p.error("--out DIR is required")
+    if opts.total is not None and not 0 < opts.total < float("inf"):
+        p.error(f"--total={opts.total}: expected a positive number of seconds")
+    if opts.lease is not None:
+        given = [name for name, value in (("--phases", opts.phases), ("--ns-methods", opts.ns_methods),
+                                          ("--variants", opts.variants), ("--kernel-gpus", opts.kernel_gpus))
+                 if value is not None]
+        if given:
+            p.error(f"--lease {opts.lease} sets {given[0]} itself; run without --lease to choose it")
+        if opts.lease == 2 and opts.total is None:
+            p.error("--lease 2 needs --total SECONDS: the first call's reply's lease.budget_left_s less 45")
+        plan = lease_plan(opts.lease, gpu_memory_gib(), opts.total)
+        opts.phases, opts.kernel_gpus = plan["phases"], plan.get("kernel_gpus")
+        opts.ns_methods, opts.variants = "newton_schulz", ""   # the preset as it is, once: the ratio first
+        opts.total = opts.total or plan.get("total")
+        opts.budget = [f"{k}={v}" for k, v in plan.get("budgets", {}).items()] + opts.budget
+    opts.phases = opts.phases or ",".join(DEFAULT_PHASES)
+    opts.variants = DEFAULT_VARIANTS if opts.variants is None else opts.variants
     phases = [x.strip() for x in opts.phases.split(",") if x.strip()]
     unknown = [x for x in phases if x not in PHASES]
     if unknown or not phases:
@@ -204,6 +252,10 @@ def parse_args(argv):
         if not worlds or any(w not in ("1", "8") for w in worlds) or len(set(worlds)) < len(worlds):
             p.error(f"--kernel-gpus={opts.kernel_gpus!r}: expected 1, 8, 8,1 or 1,8")
         opts.kernel_gpus = [int(w) for w in worlds]
+    if opts.report_copy is not None:
+        folder = os.path.dirname(os.path.abspath(opts.report_copy))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            p.error(f"--report-copy={opts.report_copy}: {folder} is not a writable folder")
     if opts.peer is not None and not os.path.isfile(opts.peer):
         p.error(f"--peer={opts.peer}: no such file")
     if opts.peer is None and os.path.isfile(os.path.join(REPO_ROOT, DEFAULT_PEER)):
@@ -283,6 +335,14 @@ def trainer_ns_methods():
 # -----------------------------------------------------------------------------------------------
 # Orchestration: one process per phase, each with its own time budget
 
+def lease_plan(call, memory_gib, total):
+    """What call 1 or 2 of a lease runs on a GPU of memory_gib, with total seconds (call 2: left)."""
+    plans = LEASE_PLANS["together" if memory_gib >= WARM_TOGETHER_MIN_GIB else "one at a time"]
+    if call == 2 and "short" in plans and total < PEER_MIN_S + TOTAL_MARGIN_S:
+        return plans["short"]
+    return plans[call]
+
+
 def run_proof(opts):
     out = os.path.abspath(opts.out)
     os.makedirs(os.path.join(out, "phases"), exist_ok=True)
@@ -297,9 +357,22 @@ def run_proof(opts):
         env["TRITON_INTERPRET"] = "1"   # before train_gpt defines its kernels
         env["CUDA_VISIBLE_DEVICES"] = ""
     phases = {}
-    commands = [" ".join(["python", "bench/gpu_proof.py"] + sys.argv[1:])]
+    commands = [shlex.join(["python", "bench/gpu_proof.py"] + sys.argv[1:])]
+    deadline = time.time() + opts.total if opts.total else None
     for phase in opts.phases:
         budget = opts.budgets[phase]
+        if deadline is not None:
+            left = deadline - time.time() - TOTAL_MARGIN_S
+            if left < min(budget, MIN_PHASE_S):
+                phases[phase] = result = new_phase_result(phase)
+                result["status"], result["skipped"] = "skipped", f"{max(left, 0):.0f} s left of --total={opts.total:g}"
+                print(f"[gpu_proof] {phase}: skipped ({result['skipped']})", flush=True)
+                write_report(out, build_report(phases, commands, opts.cpu_smoke), opts.report_copy)
+                continue
+            if left < budget:   # the worker reads its budget from settings.json
+                budget = settings["budgets"][phase] = left
+                with open(os.path.join(out, "settings.json"), "w") as f:
+                    json.dump(settings, f, indent=1)
         print(f"[gpu_proof] {phase}: running (budget {budget:.0f} s)", flush=True)
         try:
             phases[phase] = result = run_phase_process(phase, out, budget, env)
@@ -307,12 +380,12 @@ def run_proof(opts):
                   f"({result['checks']['passed']} checks passed, {result['checks']['failed']} failed, "
                   f"{len(result['errors'])} errors)", flush=True)
             # After every phase: a command cut short from outside still leaves the report of the phases it ran.
-            write_report(out, build_report(phases, commands, opts.cpu_smoke))
+            write_report(out, build_report(phases, commands, opts.cpu_smoke), opts.report_copy)
         except KeyboardInterrupt:  # `timeout` around a lease's command, or Ctrl-C: keep what the phase finished
             if phase not in phases:
                 phases[phase] = read_phase_result(phase, out)
                 phases[phase]["status"] = "interrupted"
-            write_report(out, build_report(phases, commands, opts.cpu_smoke))
+            write_report(out, build_report(phases, commands, opts.cpu_smoke), opts.report_copy)
             raise
     print(f"[gpu_proof] wrote {os.path.join(out, 'report.md')} and report.json", flush=True)
     return 0 if all(p["status"] in ("ok", "skipped") for p in phases.values()) else 1
@@ -489,6 +562,13 @@ def end_running_and_exit(signum, frame):
 
 def worker_main(phase, out):
     signal.signal(signal.SIGTERM, end_running_and_exit)
+    parent = os.getppid()
+
+    def end_with_the_parent():   # killed outright (a lease's limit), it cannot end this session's trainers
+        while os.getppid() == parent:
+            time.sleep(1)
+        os.kill(os.getpid(), signal.SIGTERM)
+    threading.Thread(target=end_with_the_parent, daemon=True).start()
     with open(os.path.join(out, "settings.json")) as f:
         settings = json.load(f)
     deadline = time.time() + settings["budgets"][phase] - 5
@@ -1680,14 +1760,17 @@ def render_markdown(report):
     return "\n".join(out) + "\n"
 
 
-def write_report(out, report):
-    """report.json and report.md, each written whole or not at all (a signal may come mid-write)."""
+def write_report(out, report, copy=None):
+    """report.json and report.md (and report.json again at copy), each written whole or not at all
+    (a signal may come mid-write)."""
     os.makedirs(out, exist_ok=True)
-    for name, text in (("report.json", json.dumps(report, indent=1, default=str)),
-                       ("report.md", render_markdown(report))):
-        with open(os.path.join(out, f".{name}.tmp"), "w") as f:
+    as_json = json.dumps(report, indent=1, default=str)
+    for path, text in ((os.path.join(out, "report.json"), as_json), (os.path.join(out, "report.md"),
+                       render_markdown(report))) + (((copy, as_json),) if copy else ()):
+        folder, name = os.path.split(os.path.abspath(path))
+        with open(os.path.join(folder, f".{name}.tmp"), "w") as f:
             f.write(text)
-        os.replace(os.path.join(out, f".{name}.tmp"), os.path.join(out, name))
+        os.replace(os.path.join(folder, f".{name}.tmp"), path)
 
 
 def load_report(path):

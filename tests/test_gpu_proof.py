@@ -324,6 +324,74 @@ def test_a_signal_to_the_proof_ends_its_worker_and_trainers_in_one_line(tmp_path
     assert report["meta"]["train_gpt_sha256"] and (out / "report.md").exists()
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the processes in /proc")
+def test_a_proof_killed_outright_leaves_no_worker_or_trainer_behind(tmp_path):
+    """A lease's command that outlasts its limit is killed without a signal to handle: the worker
+    and its trainers, each in a session of its own, must not live on, holding the GPU that the
+    next call needs. The worker sees its parent gone within a second and ends them."""
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--cpu-smoke", "--phases", "train", "--steps", "300",
+                             "--profile", "none", "--variants", "", "--out", str(out)],   # a train_gpt.py, for minutes
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=ROOT, env=dict(os.environ, TRITON_INTERPRET="1"))
+    _, _, _, running, left = signal_when_training(proc, str(out), signal.SIGKILL)
+    assert any("--worker train" in c for c in running) and any("train_gpt.py" in c for c in running)
+    assert not left
+
+
+@pytest.mark.parametrize("memory_gib, call, total, phases", [
+    (79.6, 1, None, ["env", "train"]), (79.6, 2, 560, ["env", "peer"]), (79.6, 2, 400, ["env", "kernels"]),
+    (139.8, 1, None, ["env", "warm"]), (139.8, 2, 300, ["env", "peer", "train"])])
+def test_a_lease_call_runs_the_plan_for_its_gpu(tmp_path, monkeypatch, memory_gib, call, total, phases):
+    """--lease 1 and 2: an H100's memory gets ours, then the record where call 2 has time for it
+    (else one GPU's kernel stacks); an H200's gets both compiled at once, then both timed."""
+    monkeypatch.setattr(gpu_proof, "gpu_memory_gib", lambda: memory_gib)
+    opts = gpu_proof.parse_args(["--cpu-smoke", "--out", str(tmp_path / "out"), "--lease", str(call)]
+                                + (["--total", str(total)] if total else []))
+    assert opts.phases == phases and opts.ns_methods == ["newton_schulz"] and opts.variants == []
+    assert opts.total == (total or {("env", "train"): 420, ("env", "warm"): 570}[tuple(phases)])
+    assert opts.kernel_gpus == ([1] if "kernels" in phases else None)
+    assert opts.budgets["train"] == (395 if phases == ["env", "train"] else gpu_proof.SMOKE_BUDGET_S["train"])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--lease", "2"], "--lease 2 needs --total SECONDS"),
+    (["--lease", "1", "--phases", "env"], "--lease 1 sets --phases itself"),
+    (["--total", "0"], "--total=0.0: expected a positive number of seconds"),
+    (["--report-copy", "/nonexistent/1.json"], "--report-copy=/nonexistent/1.json: /nonexistent is not a writable")])
+def test_bad_lease_options_fail_in_one_line(tmp_path, args, message):
+    result = run("--cpu-smoke", "--out", str(tmp_path / "out"), *args)
+    assert result.returncode == 2 and message in result.stderr and len(result.stderr.splitlines()) == 1
+
+
+def test_total_cuts_each_phase_to_what_is_left_and_skips_one_with_too_little(tmp_path, monkeypatch):
+    """--total: each phase's budget (which the worker reads from settings.json) is what is left of
+    the command's time less the margin, and a phase with less than MIN_PHASE_S left is skipped;
+    the report, and its copy, name it."""
+    clock = [1000.0]
+    monkeypatch.setattr(gpu_proof.time, "time", lambda: clock[0])
+    budgets = {}
+
+    def fake_phase(phase, out, budget, env):
+        with open(os.path.join(out, "settings.json")) as f:
+            budgets[phase] = (budget, json.load(f)["budgets"][phase])
+        clock[0] += {"env": 10, "correct": 100}[phase]
+        result = gpu_proof.new_phase_result(phase)
+        result["status"] = "ok"
+        return result
+    monkeypatch.setattr(gpu_proof, "run_phase_process", fake_phase)
+    copy = tmp_path / "copy.json"
+    opts = gpu_proof.parse_args(["--cpu-smoke", "--out", str(tmp_path / "out"), "--phases", "env,correct,kernels",
+                                 "--total", "160", "--report-copy", str(copy)])
+    gpu_proof.run_proof(opts)
+    left_for_correct = 160 - 10 - gpu_proof.TOTAL_MARGIN_S   # under the smoke budget of 120
+    assert budgets == {"env": (60, 60), "correct": (left_for_correct, left_for_correct)}
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["phases"]["kernels"]["status"] == "skipped"
+    assert report["phases"]["kernels"]["skipped"] == "15 s left of --total=160"
+    assert json.loads(copy.read_text()) == report
+
+
 def logged_settings(log):
     """The trainer's settings as its log lists them (name=value lines after the code)."""
     header = log.read_text().split("=" * 100)[-2]   # between the code and the output
