@@ -1213,8 +1213,8 @@ def parse_run_log(text, steady_from=STEADY_FROM):
         steady = (steps[last] - steps[steady_from]) / (last - steady_from)
     return dict(steps_done=last, steady_ms=steady, first_step_ms=steps.get(1),
                 peak_allocated_mib=memory[0] if memory else None, peak_reserved_mib=memory[1] if memory else None,
-                val_loss_start=vals.get(0), val_loss_end=vals.get(max(vals)) if vals else None,
-                val_end_step=max(vals) if vals else None)
+                val_loss_start=vals.get(0), val_loss_end=vals[max(vals)] if vals and max(vals) > 0 else None,
+                val_end_step=max(vals) if vals and max(vals) > 0 else None)   # (a run cut short: no end)
 
 
 def run_logged(cmd, cwd, env, timeout, stdout_path):
