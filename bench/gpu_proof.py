@@ -85,9 +85,10 @@ SMOKE_VAL_TOKENS = 512
 PROOF_SETS = {"preset", "num_iterations", "val_tokens", "val_every", "train_files", "val_files", "log_dir",
               "run_name", "ns_method"}
 DEFAULT_VARIANTS = "--compile_scope blocks"   # the departure the main run (the record's whole-model compile) lacks
-# --total: what a phase may take is cut to what is left of the command's time less this margin: the
-# worker's backstop (20 s over its budget) and its SIGKILL grace (10 s), then the report.
-TOTAL_MARGIN_S = 35
+# --total: what a phase may take is cut to what is left of the command's time less this margin. A
+# worker ends on its own budget (5 s under it); the margin covers the report and, where a worker
+# hangs, most of the backstop (20 s over the budget, then 10 s to SIGKILL).
+TOTAL_MARGIN_S = 25
 MIN_PHASE_S = 30                     # with less left than this (or than its budget), a phase is skipped
 # This project's GPU lease: 15 minutes of device time, a machine that takes 0.5 to 2 minutes to
 # start and goes back after 30 s idle, commands of at most 10 minutes: two calls, back to back.
@@ -96,7 +97,9 @@ MIN_PHASE_S = 30                     # with less left than this (or than its bud
 # record in the second, if the lease has time left for it (PEER_MIN_S), else one GPU's kernel
 # stacks; on an H200 (141 GiB) the record's cold start-up outlasted 485 s, so the first call
 # compiles both at once (warm) and the second times both from warm caches, the record first.
-PEER_MIN_S = 500                     # the peer phase took 466 s unprofiled on an H100, about 490 s profiled
+# The least budget in which the record script gives a steady figure on an H100: its start-up took
+# 412 s, 40 steps take 31 s (steady over steps 20..40); its whole 60-step phase took 466 s unprofiled.
+PEER_MIN_S = 450
 LEASE_PLANS = {
     "one at a time": {1: dict(phases="env,train", total=420, budgets={"train": 395}),
                       2: dict(phases="env,peer"),
@@ -338,7 +341,7 @@ def trainer_ns_methods():
 def lease_plan(call, memory_gib, total):
     """What call 1 or 2 of a lease runs on a GPU of memory_gib, with total seconds (call 2: left)."""
     plans = LEASE_PLANS["together" if memory_gib >= WARM_TOGETHER_MIN_GIB else "one at a time"]
-    if call == 2 and "short" in plans and total < PEER_MIN_S + TOTAL_MARGIN_S:
+    if call == 2 and "short" in plans and total < PEER_MIN_S + TOTAL_MARGIN_S + 10:   # (+10: Python, env)
         return plans["short"]
     return plans[call]
 

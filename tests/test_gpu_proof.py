@@ -340,7 +340,7 @@ def test_a_proof_killed_outright_leaves_no_worker_or_trainer_behind(tmp_path):
 
 
 @pytest.mark.parametrize("memory_gib, call, total, phases", [
-    (79.6, 1, None, ["env", "train"]), (79.6, 2, 560, ["env", "peer"]), (79.6, 2, 400, ["env", "kernels"]),
+    (79.6, 1, None, ["env", "train"]), (79.6, 2, 485, ["env", "peer"]), (79.6, 2, 484, ["env", "kernels"]),
     (139.8, 1, None, ["env", "warm"]), (139.8, 2, 300, ["env", "peer", "train"])])
 def test_a_lease_call_runs_the_plan_for_its_gpu(tmp_path, monkeypatch, memory_gib, call, total, phases):
     """--lease 1 and 2: an H100's memory gets ours, then the record where call 2 has time for it
@@ -382,13 +382,13 @@ def test_total_cuts_each_phase_to_what_is_left_and_skips_one_with_too_little(tmp
     monkeypatch.setattr(gpu_proof, "run_phase_process", fake_phase)
     copy = tmp_path / "copy.json"
     opts = gpu_proof.parse_args(["--cpu-smoke", "--out", str(tmp_path / "out"), "--phases", "env,correct,kernels",
-                                 "--total", "160", "--report-copy", str(copy)])
+                                 "--total", "150", "--report-copy", str(copy)])
     gpu_proof.run_proof(opts)
-    left_for_correct = 160 - 10 - gpu_proof.TOTAL_MARGIN_S   # under the smoke budget of 120
+    left_for_correct = 150 - 10 - gpu_proof.TOTAL_MARGIN_S   # under the smoke budget of 120
     assert budgets == {"env": (60, 60), "correct": (left_for_correct, left_for_correct)}
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert report["phases"]["kernels"]["status"] == "skipped"
-    assert report["phases"]["kernels"]["skipped"] == "15 s left of --total=160"
+    assert report["phases"]["kernels"]["skipped"] == "15 s left of --total=150"
     assert json.loads(copy.read_text()) == report
 
 
