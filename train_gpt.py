@@ -2459,10 +2459,10 @@ def resolve_data_files(args):
 
 def data_shortfall(files, args, without_bos=()):
     """Warnings (lines) if some training shards hold no BOS token (without_bos; files are the
-    others) or too few tokens for a step, or the shards cannot last num_iterations steps. Windows skip the tails of documents,
-    so the need is a lower bound. A DataError where nothing would train (after minutes of
-    compiling): no shard holds a BOS, where every window starts, or none has room for one step
-    (the loader's rule)."""
+    others) or too few tokens for a step, or the shards cannot last num_iterations steps. Windows
+    skip the tails of documents, so the need is a lower bound. A DataError where nothing would
+    train (after minutes of compiling): no shard holds a BOS, where every window starts, or none
+    has room for one step (the loader's rule)."""
     if not files:
         raise DataError(f"{without_bos[0]}: no training shard holds a BOS token ({BOS_TOKEN}), and every training "
                         "window starts at one: nothing would train (data/fineweb.py starts every document with it)")
