@@ -1352,10 +1352,20 @@ def phase_train(rec, ctx):
             main_startup = figures.get("startup_s")
             if profiled:
                 record_profile(rec, "ours", name, profiled)
-        if status != 0:
-            rec.data["errors"].append({"check": f"train run {name} (exit {status}), console tail",
-                                       "traceback": "\n".join(line for _, line in lines[-40:])})
-            rec.flush()
+        run_ended(rec, f"train run {name}", status, lines, figures.get("steps_done"))
+
+
+def run_ended(rec, what, status, lines, steps_done=None):
+    """A run the phase's budget cut short leaves the phase partial: its figures are what it reached
+    (a lease's short call is planned so). Any other failed exit is an error, with the console's tail."""
+    if status == "timeout":
+        rec.data["partial"] = True
+        reached = "" if steps_done is None else f" after {steps_done} steps" if steps_done else " before its first step"
+        rec.note(f"{what}: cut short by the phase's budget{reached}; its figures are what it reached")
+    elif status != 0:
+        rec.data["errors"].append({"check": f"{what} (exit {status}), console tail",
+                                   "traceback": "\n".join(line for _, line in lines[-40:])})
+    rec.flush()
 
 
 def trainer_setup(rec, ctx, tg):
@@ -1478,10 +1488,7 @@ def phase_peer(rec, ctx):
     rec.value("run", figures)
     if profiled:
         record_profile(rec, "peer", "the record script", profiled, warmup)
-    if status != 0:
-        rec.data["errors"].append({"check": f"peer run (exit {status}), console tail",
-                                   "traceback": "\n".join(line for _, line in lines[-40:])})
-        rec.flush()
+    run_ended(rec, "peer run", status, lines, figures.get("steps_done"))
 
 
 def peer_warmup_steps(text):
@@ -1568,9 +1575,7 @@ def phase_warm(rec, ctx):
         rec.row(table, [label, status, figures["startup_s"], round(seconds, 1),
                         figures["recompiles_warmup"] + figures["recompiles_timed"], figures["graph_breaks"]])
         rec.value(label, dict(figures, exit=status, wall_s=round(seconds, 1)))
-        if status != 0:
-            rec.data["errors"].append({"check": f"warm-up run {label} (exit {status}), console tail",
-                                       "traceback": "\n".join(line for _, line in lines[-40:])})
+        run_ended(rec, f"warm-up run {label}", status, lines)
     removed = drop_autotune_choices(since)
     os.remove(marker)
     rec.value("autotune_choices_removed", removed)

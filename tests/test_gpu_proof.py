@@ -339,6 +339,20 @@ def test_a_proof_killed_outright_leaves_no_worker_or_trainer_behind(tmp_path):
     assert not left
 
 
+def test_a_run_cut_by_the_budget_leaves_the_phase_partial_with_its_figures(tmp_path):
+    """A lease's short call cuts its run on purpose (--total): the run's steps and steady ms/step
+    so far are its figures, the phase is partial, not failed, and a note says where it was cut."""
+    out = tmp_path / "out"
+    result = run("--cpu-smoke", "--phases", "train", "--steps", "300", "--profile", "none", "--variants", "",
+                 "--budget", "train=30", "--out", str(out), timeout=120)
+    train = json.loads((out / "report.json").read_text())["phases"]["train"]
+    assert result.returncode == 1 and train["status"] == "partial" and not train["errors"], result.stdout
+    main = train["values"]["main"]
+    assert main["exit"] == "timeout" and 3 < main["steps_done"] < 300 and main["steady_ms"] > 0
+    assert f"train run newton_schulz: cut short by the phase's budget after {main['steps_done']} steps; its " \
+           "figures are what it reached" in train["notes"]
+
+
 @pytest.mark.parametrize("memory_gib, call, total, phases", [
     (79.6, 1, None, ["env", "train"]), (79.6, 2, 485, ["env", "peer"]), (79.6, 2, 484, ["env", "kernels"]),
     (139.8, 1, None, ["env", "warm"]), (139.8, 2, 300, ["env", "peer", "train"])])
