@@ -184,11 +184,14 @@ def parse_args(argv):
             p.error(f"--lease {opts.lease} sets {given[0]} itself; run without --lease to choose it")
         if opts.lease == 2 and opts.total is None:
             p.error("--lease 2 needs --total SECONDS: the first call's reply's lease.budget_left_s less 45")
-        plan = lease_plan(opts.lease, gpu_memory_gib(), opts.total)
+        memory = gpu_memory_gib()
+        plan = lease_plan(opts.lease, memory, opts.total)
         opts.phases, opts.kernel_gpus = plan["phases"], plan.get("kernel_gpus")
         opts.ns_methods, opts.variants = "newton_schulz", ""   # the preset as it is, once: the ratio first
         opts.total = opts.total or plan.get("total")
         opts.budget = [f"{k}={v}" for k, v in plan.get("budgets", {}).items()] + opts.budget
+        print(f"[gpu_proof] --lease {opts.lease}: the GPU has {memory:.0f} GiB: phases {opts.phases}, "
+              f"--total {opts.total:g}", flush=True)
     opts.phases = opts.phases or ",".join(DEFAULT_PHASES)
     opts.variants = DEFAULT_VARIANTS if opts.variants is None else opts.variants
     phases = [x.strip() for x in opts.phases.split(",") if x.strip()]
