@@ -343,29 +343,29 @@ def test_a_run_cut_by_the_budget_leaves_the_phase_partial_with_its_figures(tmp_p
     """A lease's short call cuts its run on purpose (--total): the run's steps and steady ms/step
     so far are its figures, the phase is partial, not failed, and a note says where it was cut."""
     out = tmp_path / "out"
-    result = run("--cpu-smoke", "--phases", "train", "--steps", "300", "--profile", "none", "--variants", "",
-                 "--budget", "train=30", "--out", str(out), timeout=120)
+    result = run("--cpu-smoke", "--phases", "train", "--steps", "3000", "--profile", "none", "--variants", "",
+                 "--budget", "train=45", "--out", str(out), timeout=120)
     train = json.loads((out / "report.json").read_text())["phases"]["train"]
     assert result.returncode == 1 and train["status"] == "partial" and not train["errors"], result.stdout
     main = train["values"]["main"]
-    assert main["exit"] == "timeout" and 3 < main["steps_done"] < 300 and main["steady_ms"] > 0
+    assert main["exit"] == "timeout" and 3 < main["steps_done"] < 3000 and main["steady_ms"] > 0
     assert f"train run newton_schulz: cut short by the phase's budget after {main['steps_done']} steps; its " \
            "figures are what it reached" in train["notes"]
 
 
 @pytest.mark.parametrize("memory_gib, call, total, phases", [
-    (79.6, 1, None, ["env", "train"]), (79.6, 2, 485, ["env", "peer"]), (79.6, 2, 484, ["env", "kernels"]),
+    (79.6, 1, None, ["env", "peer"]), (79.6, 2, 335, ["env", "train"]), (79.6, 2, 334, ["env", "kernels", "correct"]),
     (139.8, 1, None, ["env", "warm"]), (139.8, 2, 300, ["env", "peer", "train"])])
 def test_a_lease_call_runs_the_plan_for_its_gpu(tmp_path, monkeypatch, memory_gib, call, total, phases):
-    """--lease 1 and 2: an H100's memory gets ours, then the record where call 2 has time for it
-    (else one GPU's kernel stacks); an H200's gets both compiled at once, then both timed."""
+    """--lease 1 and 2: an H100's memory gets the record (its start-up is the longer), then ours
+    where call 2 leaves its phase OURS_MIN_S (else the checks and one GPU's kernel stacks); an
+    H200's gets both compiled at once, then both timed. Every run 40 steps."""
     monkeypatch.setattr(gpu_proof, "gpu_memory_gib", lambda: memory_gib)
     opts = gpu_proof.parse_args(["--cpu-smoke", "--out", str(tmp_path / "out"), "--lease", str(call)]
                                 + (["--total", str(total)] if total else []))
     assert opts.phases == phases and opts.ns_methods == ["newton_schulz"] and opts.variants == []
-    assert opts.total == (total or {("env", "train"): 420, ("env", "warm"): 570}[tuple(phases)])
+    assert opts.total == (total or 570) and opts.steps == 40
     assert opts.kernel_gpus == ([1] if "kernels" in phases else None)
-    assert opts.budgets["train"] == (395 if phases == ["env", "train"] else gpu_proof.SMOKE_BUDGET_S["train"])
 
 
 @pytest.mark.parametrize("args, message", [
@@ -530,6 +530,24 @@ def test_parse_run_log_reads_the_speedrun_line_format():
     assert cut["steady_ms"] is None and cut["val_loss_start"] == 10.8258 and cut["val_loss_end"] is None
 
 
+def test_ours_and_the_record_are_compared_over_the_steps_both_reached():
+    """A run cut short by its budget (the lease plans it) has timed fewer steps, and step times grow
+    with the attention window: the ratio is taken over steps 20..min(N), and the report says so."""
+    def log(steps, ms_at):
+        return "\n".join(["=" * 100] + [f"step:{s}/40 train_time:{ms_at(s):.0f}ms step_avg:1.00ms"
+                                          for s in range(1, steps + 1)])
+    ours = gpu_proof.parse_run_log(log(40, lambda s: 700 * s + 5 * s * s))   # slower and slower
+    peer = gpu_proof.parse_run_log(log(26, lambda s: 710 * s + 5 * s * s))   # cut at step 26
+    phases = {"train": fake_phase("train", values={"main": ours}), "peer": fake_phase("peer", values={"run": peer})}
+    comp = gpu_proof.compare_with_peer(phases)
+    assert comp["steady_window"] == [20, 26]
+    assert comp["steady_ms_ours"] == pytest.approx(700 + 5 * 46) and comp["steady_ms_peer"] == pytest.approx(710 + 5 * 46)
+    assert comp["steady_ms_ratio"] == pytest.approx(930 / 940)
+    assert ours["steady_ms"] == pytest.approx(700 + 5 * 60)   # each its own window: 1000 / 940, 6% against ours
+    text = gpu_proof.render_markdown(gpu_proof.build_report(phases, ["cmd"], False))
+    assert "| steady ms/step (steps 20..26, both) | 930 | 940 |" in text
+
+
 def fake_phase(name, status="ok", values=None):
     return dict(gpu_proof.new_phase_result(name), status=status, values=values or {})
 
@@ -562,7 +580,7 @@ def test_merge_combines_commands_and_compares_with_the_peer(tmp_path):
     result = run("--merge", *paths, "--out", str(tmp_path / "merged"))
     assert result.returncode == 0, result.stderr
     markdown = (tmp_path / "merged" / "report.md").read_text()
-    assert "| steady ms/step (steps 20..N) | 900 | 1000 | 0.9 |" in markdown
+    assert "| steady ms/step (steps 20..N, each its own N) | 900 | 1000 | 0.9 |" in markdown
     # the two profiles side by side: every family either has, then the host syncs
     assert "| GEMM (cuBLAS/CUTLASS) | 300 | 280 | 20 |" in markdown
     assert "| orthogonalization (Triton) | 20 |  |  |" in markdown and "| NCCL |  | 1.5 |  |" in markdown
@@ -635,6 +653,15 @@ def test_merge_adds_a_later_train_run_and_keeps_the_first_main_run(tmp_path):
     assert train["tables"][0]["rows"] == [["main", "newton_schulz"], ["ns_method", "aol"]]
     rerun = gpu_proof.merge_reports(paths[:1] + paths[:1])["phases"]["train"]   # the same method again: replaces
     assert rerun["tables"][0]["rows"] == [["main", "newton_schulz"]]
+
+
+def test_merge_keeps_a_phase_a_later_command_skipped(tmp_path):
+    """A lease's --total may skip a phase an earlier command ran: the merge keeps the one that ran."""
+    skipped = dict(fake_phase("train", "skipped"), skipped="10 s left of --total=300")
+    paths = written(tmp_path, train_report("newton_schulz", 800.0), gpu_proof.build_report({"train": skipped}, ["c"], False))
+    train = gpu_proof.merge_reports(paths)["phases"]["train"]
+    assert train["status"] == "ok" and train["values"]["main"]["steady_ms"] == 800.0
+    assert gpu_proof.merge_reports(paths[1:])["phases"]["train"]["status"] == "skipped"   # alone, it stays
 
 
 def test_merge_adds_a_later_run_with_other_main_flags_as_a_variant(tmp_path):
