@@ -2307,7 +2307,7 @@ class TrainBatches:
         self._prefetch = self._submit_next()
         self._cursor = start["cursor"]   # the next window starts at the first BOS at or after this
         self.windows_taken = start["windows_taken"]
-        self._step_start = None  # state() where the current step began
+        self._step_start = None  # (shard, cursor, windows_taken) where the current step began
 
     def _load_next(self):
         self._next_file += 1
@@ -2342,7 +2342,7 @@ class TrainBatches:
         """The next global window: seq_len + 1 tokens starting at a BOS, inside one shard."""
         step_starts = self.windows_taken % self.windows_per_step == 0
         if step_starts:
-            self._step_start = self.state()
+            self._step_start = (self._shard, self._cursor, self.windows_taken)
         while True:
             shard = self._shard
             if step_starts and not self._room_for_a_step():  # every shard a step moves to is tested too:
@@ -2362,10 +2362,11 @@ class TrainBatches:
         """The stream position (the same on every rank and for every world size), for checkpoints.
         Where the data ran out mid-step, where that step began: a resume with more shards takes
         that step's windows as a run that never stopped does."""
-        if self.windows_taken % self.windows_per_step and self._step_start is not None:
-            return self._step_start
-        return dict(shard=self.files.index(self._shard.path), file=os.path.basename(self._shard.path),
-                    tokens=self._shard.tokens.numel(), cursor=self._cursor, windows_taken=self.windows_taken)
+        shard, cursor, taken = self._shard, self._cursor, self.windows_taken
+        if taken % self.windows_per_step and self._step_start is not None:
+            shard, cursor, taken = self._step_start
+        return dict(shard=self.files.index(shard.path), file=os.path.basename(shard.path),
+                    tokens=shard.tokens.numel(), cursor=cursor, windows_taken=taken)
 
     @staticmethod
     def check_position(state, files):
