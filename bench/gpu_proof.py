@@ -93,7 +93,8 @@ MIN_PHASE_S = 30                     # with less left than this (or than its bud
 # This project's GPU lease: 15 minutes of device time, a machine that takes 0.5 to 2 minutes to
 # start and goes back after 30 s idle, commands of at most 10 minutes: two calls, back to back,
 # 40 steps each run (the ratio is taken over the steps both runs reached: 20..40 where neither is
-# cut). Which two depends on the GPU, told by its memory (nvidia-smi, before any CUDA context).
+# cut). Which two depends on the GPU, told by its memory (nvidia-smi, else torch in a child process:
+# never a CUDA context in this one; unknown, the H100 plan).
 # An H100 (80 GiB) started the record script in 412 s (its 60-step phase took 466 s) and ours in
 # 243-256 s before the orthogonalizer was compiled (about 35 s more since, by the H200): the
 # record first, in the call that can run longest, then ours with what is left, if that is at
@@ -192,7 +193,8 @@ def parse_args(argv):
         opts.ns_methods, opts.variants = "newton_schulz", ""   # the preset as it is, once: the ratio first
         opts.total = opts.total or plan.get("total")
         opts.steps = opts.steps or LEASE_STEPS
-        print(f"[gpu_proof] --lease {opts.lease}: the GPU has {memory:.0f} GiB: phases {opts.phases}, "
+        told = f"the GPU has {memory:.0f} GiB" if memory else "the GPU's memory is unknown (nvidia-smi and torch did not say)"
+        print(f"[gpu_proof] --lease {opts.lease}: {told}: phases {opts.phases}, "
               f"--total {opts.total:g}", flush=True)
     opts.phases = opts.phases or ",".join(DEFAULT_PHASES)
     opts.variants = DEFAULT_VARIANTS if opts.variants is None else opts.variants
@@ -1627,14 +1629,18 @@ def run_jobs(jobs, deadline, together):
 
 
 def gpu_memory_gib():
-    """The first GPU's memory, from nvidia-smi: asking torch would hold a CUDA context on that GPU
-    in this process while the two runs need its memory. 0 where nvidia-smi does not answer."""
-    try:
-        mib = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", "0"],
-                             capture_output=True, text=True, timeout=30).stdout.split()
-        return float(mib[0]) / 1024 if mib else 0.0
-    except (OSError, ValueError, subprocess.TimeoutExpired):
-        return 0.0
+    """The first GPU's memory, from nvidia-smi, else from torch in a child process (asked here, torch
+    would hold a CUDA context on that GPU in this process while the two runs need its memory); 0
+    where neither answers."""
+    queries = (["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", "0"],
+               [sys.executable, "-c", "import torch; print(torch.cuda.get_device_properties(0).total_memory / 2**20)"])
+    for query in queries:
+        try:
+            mib = subprocess.run(query, capture_output=True, text=True, timeout=60).stdout.split()
+            return float(mib[0]) / 1024
+        except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+            continue
+    return 0.0
 
 
 def cache_roots():

@@ -368,6 +368,28 @@ def test_a_lease_call_runs_the_plan_for_its_gpu(tmp_path, monkeypatch, memory_gi
     assert opts.kernel_gpus == ([1] if "kernels" in phases else None)
 
 
+@pytest.mark.parametrize("answers, memory_gib", [
+    ({"nvidia-smi": "81559\n"}, 81559 / 1024),
+    ({"nvidia-smi": "[N/A]\n", "python": "143771.0\n"}, 143771 / 1024),   # a MIG or container answer
+    ({"python": "143771.0\n"}, 143771 / 1024),   # no nvidia-smi on the PATH
+    ({}, 0.0)])
+def test_the_gpu_memory_comes_from_torch_in_a_child_where_nvidia_smi_does_not_answer(monkeypatch, answers, memory_gib):
+    """The lease plan is chosen by memory: a machine without a working nvidia-smi asks torch, in a
+    child process (a CUDA context in the proof's own process would hold GPU memory); 0 where
+    neither answers."""
+    asked = []
+
+    def fake_run(command, **kwargs):
+        name = "python" if command[0] == sys.executable else command[0]
+        asked.append(name)
+        if name == "nvidia-smi" and name not in answers:
+            raise FileNotFoundError(command[0])
+        return subprocess.CompletedProcess(command, 0 if name in answers else 1, answers.get(name, ""), "")
+    monkeypatch.setattr(gpu_proof.subprocess, "run", fake_run)
+    assert gpu_proof.gpu_memory_gib() == pytest.approx(memory_gib)
+    assert asked == (["nvidia-smi"] if answers.get("nvidia-smi", "").strip().isdigit() else ["nvidia-smi", "python"])
+
+
 @pytest.mark.parametrize("args, message", [
     (["--lease", "2"], "--lease 2 needs --total SECONDS"),
     (["--lease", "1", "--phases", "env"], "--lease 1 sets --phases itself"),
