@@ -2536,15 +2536,18 @@ class RunLog:
 
 
 def hardware_description(hw):
+    # nvidia-smi's first line is the date; without it we write one the same way, so that
+    # compare.py can tell whether a baseline ran the same day on every device
+    today = time.strftime("%a %b %d %H:%M:%S %Y")
     if hw.device.type == "cuda":
         try:
             return subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=30).stdout.rstrip("\n") + "\n"
         except (OSError, subprocess.SubprocessError):
-            return f"GPU: {torch.cuda.get_device_name(hw.device)} (nvidia-smi unavailable)"
+            return f"{today}\nGPU: {torch.cuda.get_device_name(hw.device)} (nvidia-smi unavailable)"
     model = platform.processor() or platform.machine()
     with contextlib.suppress(OSError, StopIteration), open("/proc/cpuinfo") as f:
         model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    return f"CPU: {model} x{os.cpu_count()}"
+    return f"{today}\nCPU: {model} x{os.cpu_count()}"
 
 
 def shown_paths(paths):

@@ -578,6 +578,10 @@ def baseline_warnings(runs: RecordFolder, baseline: RecordFolder) -> list[str]:
                 f"the baseline ran {gap.total_seconds() / 86400:.1f} days apart from the runs"
                 " (median nvidia-smi timestamps); run it the same day"
             )
+    elif undated := [folder.label for folder, started in ((runs, runs_started), (baseline, baseline_started))
+                     if not started]:
+        found.append(f"no start time in the logs of {' and '.join(undated)} (nvidia-smi's date line, which"
+                     " train_gpt.py writes on every device since 2026-11-27): the same-day check was not made")
     return found
 
 

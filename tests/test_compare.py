@@ -482,6 +482,23 @@ def test_baseline_warnings(good_runs, baseline_runs, tmp_path):
     assert "the baseline ran 8.3 days apart from the runs" in found[2]
 
 
+def test_the_same_day_check_says_where_it_cannot_be_made(tmp_path):
+    """Logs without a date line (CPU logs of train_gpt.py before it wrote one) cannot be checked
+    for the same day: the warnings say so, naming the folder, rather than passing in silence."""
+    def cpu_runs(name, final_ms, date=None):
+        write_logs(tmp_path / name, [make_log(3.278, final_ms + i, cpu="AMD EPYC 7B13 x2") for i in range(2)])
+        for log in (tmp_path / name).iterdir() if date else ():   # the line train_gpt.py writes before "CPU: ..."
+            log.write_text(log.read_text().replace("CPU: ", f"{date}\nCPU: "))
+        return compare.load_folder(tmp_path / name)
+    dated = cpu_runs("dated", 150_000, "Fri Nov 27 01:45:26 2026")
+    assert [r.started for r in dated.runs] == [datetime(2026, 11, 27, 1, 45, 26)] * 2
+    assert compare.baseline_warnings(dated, cpu_runs("undated", 151_000)) == [
+        "no start time in the logs of undated (nvidia-smi's date line, which train_gpt.py writes"
+        " on every device since 2026-11-27): the same-day check was not made"]
+    assert compare.baseline_warnings(dated, cpu_runs("same_day", 151_000, "Fri Nov 27 09:45:26 2026")) == []
+    assert "2.0 days apart" in compare.baseline_warnings(dated, cpu_runs("later", 151_000, "Sun Nov 29 01:45:26 2026"))[0]
+
+
 def test_main_fails_without_usable_runs(tmp_path, capsys):
     folder = tmp_path / "broken"
     write_logs(folder, [make_log(finished=False), make_log(peak=False)])

@@ -49,7 +49,8 @@ def test_script_writes_a_complete_log(tmp_path, make_shards):
     assert header[0].startswith("Running Python ")
     assert header[1].startswith("Running PyTorch ")
     assert header[2].startswith("Running Triton version ")
-    assert header[3].startswith("CPU: ")
+    assert re.fullmatch(r"\w{3} \w{3} +\d+ \d\d:\d\d:\d\d \d{4}", header[3])   # the date, as nvidia-smi's first line
+    assert header[4].startswith("CPU: ")
     for key in ("preset=cpu", "run_name=e2e", "target_val_loss=6.0", "num_iterations=4", "world_size=1",
                 "effective_device=cpu", "effective_attention=sdpa"):
         assert key in header, key
