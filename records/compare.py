@@ -662,6 +662,8 @@ class Comparison:
     speedup: float  # baseline mean time / runs mean time
     runs_steps: int | None = None  # the step count of the runs and of the baseline
     baseline_steps: int | None = None
+    time_diff_interval_ms: tuple[float, float] | None = None  # 95% Welch confidence interval
+    loss_diff_interval: tuple[float, float] | None = None
 
     @property
     def same_steps(self) -> bool:
@@ -680,16 +682,25 @@ def compare(runs: list[RunLog], baseline: list[RunLog]) -> Comparison:
         a = np.array([getattr(r, attribute) for r in runs], dtype=float)
         b = np.array([getattr(r, attribute) for r in baseline], dtype=float)
         if len(a) < 2 or len(b) < 2 or not (_has_spread(a) or _has_spread(b)):
-            return float(a.mean() - b.mean()), None, None
+            return float(a.mean() - b.mean()), None, None, None
         two_sided = _p_value("ttest_ind", a, b, equal_var=False)
         one_sided = _p_value("ttest_ind", a, b, equal_var=False, alternative="less")
-        return float(a.mean() - b.mean()), two_sided, one_sided
+        return float(a.mean() - b.mean()), two_sided, one_sided, _welch_interval(a, b)
 
-    time_diff, time_p2, time_p1 = welch("train_time_ms")
-    loss_diff, loss_p2, loss_p1 = welch("final_val_loss")
+    time_diff, time_p2, time_p1, time_interval = welch("train_time_ms")
+    loss_diff, loss_p2, loss_p1, loss_interval = welch("final_val_loss")
     speedup = float(np.mean([r.train_time_ms for r in baseline]) / np.mean([r.train_time_ms for r in runs]))
     steps = [Counter(r.total_steps for r in group).most_common(1)[0][0] for group in (runs, baseline)]
-    return Comparison(time_diff, time_p2, time_p1, loss_diff, loss_p2, loss_p1, speedup, *steps)
+    return Comparison(time_diff, time_p2, time_p1, loss_diff, loss_p2, loss_p1, speedup, *steps,
+                      time_interval, loss_interval)
+
+
+def _welch_interval(a, b, confidence=0.95) -> tuple[float, float]:
+    """The confidence interval of mean(a) - mean(b), from Welch's t."""
+    from scipy import stats
+
+    interval = stats.ttest_ind(a, b, equal_var=False).confidence_interval(confidence)
+    return float(interval.low), float(interval.high)
 
 
 # ---------------------------------------------------------------- reporting
@@ -741,12 +752,16 @@ def _summary_rows(folder: RecordFolder, summary: Summary) -> list[tuple[str, str
     ]
 
 
-def _comparison_rows(c: Comparison) -> list[tuple[str, str, str, str]]:
+def _fmt_interval(interval: tuple[float, float] | None, scale: float = 1.0, digits: int = 5) -> str:
+    return "n/a" if interval is None else f"{interval[0] / scale:+.{digits}f} .. {interval[1] / scale:+.{digits}f}"
+
+
+def _comparison_rows(c: Comparison) -> list[tuple[str, str, str, str, str]]:
     return [
-        ("train time (s)", f"{c.time_diff_ms / 1000:+.3f}", _fmt_p(c.time_p_two_sided),
-         f"{_fmt_p(c.time_p_faster)} (runs faster)"),
-        ("final val loss", f"{c.loss_diff:+.5f}", _fmt_p(c.loss_p_two_sided),
-         f"{_fmt_p(c.loss_p_lower)} (runs lower)"),
+        ("train time (s)", f"{c.time_diff_ms / 1000:+.3f}", _fmt_interval(c.time_diff_interval_ms, 1000, 3),
+         _fmt_p(c.time_p_two_sided), f"{_fmt_p(c.time_p_faster)} (runs faster)"),
+        ("final val loss", f"{c.loss_diff:+.5f}", _fmt_interval(c.loss_diff_interval),
+         _fmt_p(c.loss_p_two_sided), f"{_fmt_p(c.loss_p_lower)} (runs lower)"),
     ]
 
 
@@ -809,7 +824,8 @@ def render_statistics(
             "## Against the baseline", "",
             "Welch t-tests (unequal variances); differences are runs minus baseline.", "",
         ]
-        out += _md_table(["", "difference", "p two-sided", "p one-sided"], _comparison_rows(comparison))
+        out += _md_table(["", "difference", "95% interval", "p two-sided", "p one-sided"],
+                         _comparison_rows(comparison))
         ratio = f"(baseline mean time / runs mean time): {comparison.speedup:.4f}x"
         out += ["", f"Speedup {ratio}" if comparison.same_steps else
                 f"Time ratio {ratio}; not a speedup at equal work ({comparison.steps_note})", ""]
@@ -894,7 +910,7 @@ def _terminal_table(runs: RecordFolder, summary: Summary, baseline, baseline_sum
             (f"speedup {c.speedup:.4f}x" if c.same_steps else
              f"time ratio {c.speedup:.4f}x (not a speedup at equal work: {c.steps_note})")
             + f"; time diff {c.time_diff_ms / 1000:+.3f} s"
-            f" (Welch p two-sided {_fmt_p(c.time_p_two_sided)}, p faster {_fmt_p(c.time_p_faster)});"
+            f" (95% interval {_fmt_interval(c.time_diff_interval_ms, 1000, 3)} s; Welch p two-sided {_fmt_p(c.time_p_two_sided)}, p faster {_fmt_p(c.time_p_faster)});"
             f" loss diff {c.loss_diff:+.5f} (p two-sided {_fmt_p(c.loss_p_two_sided)})"
         )
         fewest = min(summary.n, baseline_summary.n)

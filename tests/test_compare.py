@@ -652,6 +652,13 @@ def test_reference_fp8_pr_against_baseline(reference):
     assert result.speedup == pytest.approx(1.0131, abs=1e-4)
     assert result.time_p_faster < 1e-6  # about 1 s faster with ~0.2 s spread
     assert result.loss_p_two_sided > 0.5  # same loss within noise
+    # the 95% interval of the time difference: Welch's, by hand; wholly below 0 (faster)
+    a, b = (np.array([r.train_time_ms for r in f.usable]) for f in (pr, base))
+    var_a, var_b = a.var(ddof=1) / len(a), b.var(ddof=1) / len(b)
+    dof = (var_a + var_b) ** 2 / (var_a ** 2 / (len(a) - 1) + var_b ** 2 / (len(b) - 1))
+    half = stats.t.ppf(0.975, dof) * np.sqrt(var_a + var_b)
+    assert result.time_diff_interval_ms == pytest.approx((result.time_diff_ms - half, result.time_diff_ms + half))
+    assert result.time_diff_interval_ms[1] < 0 < result.loss_diff_interval[1] and result.loss_diff_interval[0] < 0
 
     assert compare.baseline_warnings(pr, base) == []
     # the 2025 record as "baseline": same GPU model, but another machine, year and software
@@ -663,6 +670,8 @@ def test_reference_fp8_pr_against_baseline(reference):
     assert compare.main([str(pr_dir), str(base_dir)]) == 0
     md = (pr_dir / "statistics.md").read_text()
     assert "| runs used | 13 of 13 | 13 of 13 |" in md and "1.0131x" in md
+    low, high = (x / 1000 for x in result.time_diff_interval_ms)
+    assert f"| train time (s) | {result.time_diff_ms / 1000:+.3f} | {low:+.3f} .. {high:+.3f} |" in md
 
 
 # ------------------------------------------------- runs that ended early, mixed configurations
