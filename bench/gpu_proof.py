@@ -416,8 +416,8 @@ def run_phase_process(phase, out, budget, env):
     start = time.time()
     with open(log_path, "w") as log:
         child = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", phase, "--out", out],
-                                 stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT,
-                                 start_new_session=True)
+                                 stdout=log, stderr=subprocess.STDOUT, env=dict(env, GPU_PROOF_PARENT=str(os.getpid())),
+                                 cwd=REPO_ROOT, start_new_session=True)
         timed_out = False
         try:
             child.wait(timeout=budget + 20)   # the worker watches its own budget; this is the backstop
@@ -551,12 +551,18 @@ class Recorder:
 
 
 RUNNING = set()   # process groups of the trainers a worker has started and not yet reaped
+STARTING = []     # one entry per trainer between its Popen and its entry in RUNNING
+HELD_SIGNALS = []
 
 
 def end_running_and_exit(signum, frame):
     """The worker's SIGTERM handler: its trainers end, then the worker, at once. (Raising SystemExit
     here would land in whatever frame runs, a weakref callback or a thread join, that may swallow
-    it and go on; the phase's results are on disk already, the Recorder writes each change.)"""
+    it and go on; the phase's results are on disk already, the Recorder writes each change.) While
+    a trainer starts, the signal waits for its pid in RUNNING: it would live on, in its own session."""
+    if STARTING:
+        HELD_SIGNALS.append(signum)
+        return
     for pgid in list(RUNNING):
         try:
             os.killpg(pgid, signal.SIGKILL)
@@ -572,7 +578,7 @@ def end_running_and_exit(signum, frame):
 
 def worker_main(phase, out):
     signal.signal(signal.SIGTERM, end_running_and_exit)
-    parent = os.getppid()
+    parent = int(os.environ.get("GPU_PROOF_PARENT", os.getppid()))   # not getppid(): it may be gone already
 
     def end_with_the_parent():   # killed outright (a lease's limit), it cannot end this session's trainers
         while os.getppid() == parent:
@@ -1233,9 +1239,15 @@ def run_logged(cmd, cwd, env, timeout, stdout_path):
     status is the exit code, or 'timeout' after killing its process group."""
     start = time.time()
     lines = []
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            errors="replace", start_new_session=True)
-    RUNNING.add(proc.pid)
+    STARTING.append(cmd)
+    try:
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                errors="replace", start_new_session=True)
+        RUNNING.add(proc.pid)
+    finally:
+        STARTING.remove(cmd)
+        if HELD_SIGNALS and not STARTING:
+            end_running_and_exit(HELD_SIGNALS[0], None)
 
     def reader():
         with open(stdout_path, "w") as f:

@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -21,7 +22,7 @@ PEER = ROOT.parent / "shared" / "peers" / "modded-nanogpt_9d9dc969_train_gpt.py"
 sys.path.insert(0, str(ROOT))
 
 from bench import gpu_proof  # noqa: E402
-from conftest import sigint_as_at_a_terminal, signal_when_training  # noqa: E402
+from conftest import processes_naming, sigint_as_at_a_terminal, signal_when_training  # noqa: E402
 
 
 def run(*args, timeout=60, env=None):
@@ -337,6 +338,52 @@ def test_a_proof_killed_outright_leaves_no_worker_or_trainer_behind(tmp_path):
     _, _, _, running, left = signal_when_training(proc, str(out), signal.SIGKILL)
     assert any("--worker train" in c for c in running) and any("train_gpt.py" in c for c in running)
     assert not left
+
+
+def test_a_worker_whose_proof_died_before_it_looked_ends_at_once(tmp_path):
+    """The worker learns its proof's pid from the proof, not from getppid(): a proof killed while
+    its worker was still starting (Python, imports) leaves a worker whose parent is init already,
+    and that one would run its whole phase, trainers and all."""
+    out = tmp_path / "out"
+    (out / "phases").mkdir(parents=True)
+    (out / "settings.json").write_text(json.dumps({"budgets": {"env": 60}}))
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    started = time.time()
+    result = run("--worker", "env", "--out", str(out), env={"GPU_PROOF_PARENT": str(gone.pid)})
+    assert result.returncode == 128 + signal.SIGTERM and time.time() - started < 20, result.stdout
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the processes in /proc")
+def test_a_sigterm_while_a_trainer_starts_ends_that_trainer_too(tmp_path):
+    """A SIGTERM between a trainer's Popen and its entry in RUNNING waits for the entry: handled at
+    once, it would end the worker and leave that trainer, in its own session, running."""
+    marker = f"sleeping_trainer_{os.getpid()}"
+    script = tmp_path / "worker.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, signal, subprocess, sys
+        sys.path.insert(0, {str(ROOT)!r})
+        from bench import gpu_proof
+        signal.signal(signal.SIGTERM, gpu_proof.end_running_and_exit)
+
+        class SignalledPopen(subprocess.Popen):
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                os.kill(os.getpid(), signal.SIGTERM)   # handled here, before the pid is in RUNNING
+        gpu_proof.subprocess.Popen = SignalledPopen
+        gpu_proof.run_logged([sys.executable, "-c", "import time; time.sleep(60)", {marker!r}], ".", os.environ, 60,
+                             {str(tmp_path / "trainer.log")!r})
+        """))
+    try:
+        result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+        assert result.returncode == 128 + signal.SIGTERM, result.stderr
+        deadline = time.time() + 5
+        while processes_naming(marker) and time.time() < deadline:
+            time.sleep(0.1)
+        assert not processes_naming(marker)
+    finally:
+        for pid in processes_naming(marker):
+            os.kill(pid, signal.SIGKILL)
 
 
 def test_a_run_cut_by_the_budget_leaves_the_phase_partial_with_its_figures(tmp_path):
