@@ -46,6 +46,7 @@ import time
 import tokenize
 import traceback
 import uuid
+import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -1558,9 +1559,9 @@ class ShardedMuonAdam:
             tensors.append(t.detach().to("cpu", copy=True) if master else None)
         return dict(adam_steps=self.adam_steps, tensors=tensors) if master else None
 
-    @torch.no_grad()
-    def load_state_dict(self, state):
-        """Take this rank's share of a state_dict() saved at any world size."""
+    def check_state_fits(self, state):
+        """ValueError where a state_dict() (of any world size) does not fit this optimizer; else
+        the layouts it is loaded into."""
         layouts = list(self._state_layouts())
         if len(state["tensors"]) != len(layouts):
             raise ValueError(f"optimizer state has {len(state['tensors'])} tensors, this optimizer {len(layouts)}")
@@ -1569,6 +1570,12 @@ class ShardedMuonAdam:
             if tuple(full.shape) != (rows, *t.shape[1:]):
                 raise ValueError(f"optimizer state tensor of shape {tuple(full.shape)} where "
                                  f"{(rows, *t.shape[1:])} was expected")
+        return layouts
+
+    @torch.no_grad()
+    def load_state_dict(self, state):
+        """Take this rank's share of a state_dict() saved at any world size."""
+        for (t, layout, info), full in zip(self.check_state_fits(state), state["tensors"]):
             full = full.to(t.device, t.dtype)
             if layout == "matrices":
                 index = info[0]
@@ -2739,6 +2746,8 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
             TrainBatches.check_position(checkpoint["loader"], train_files)
         model = GPT(args, hw).to(hw.device)  # here: out of memory on one rank ends every rank
         optimizer = ShardedMuonAdam(param_specs(model, args), args, ranks, hw, collectives)
+        if checkpoint is not None:
+            check_checkpoint_fits(checkpoint, args.resume, model, optimizer)
     except Exception as e:  # any failure (out of memory too): every rank must reach the agreement
         failure = e
     all_failed = True  # as far as this rank knows
@@ -2761,6 +2770,8 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
         raise SetupError(f"{where}failed in set-up: {type(failure).__name__}: {first_line(failure)}") from None
     if failure is not None:
         raise failure
+    if checkpoint is not None and ranks.world_size > 1:
+        check_ranks_hold_one_checkpoint(args.resume, checkpoint, ranks, hw)
     batches = None  # made inside the clock: setup derived from the data counts as training time
     # One device scalar per window size, made once: a fresh host-to-device copy every step
     # would make the host wait for the GPU.
@@ -3104,6 +3115,11 @@ def read_checkpoint(path, option, args=None):
             is_zip = f.read(4) == b"PK\x03\x04"  # torch.save writes zip files
         if not is_zip:
             raise ConfigError(f"--{option}={path!r}: not a checkpoint written by train_gpt.py (not a torch.save file)")
+        with zipfile.ZipFile(path) as archive:  # torch.load reads the bytes as they are: a changed one goes unseen
+            damaged = archive.testzip()
+        if damaged is not None:
+            raise ConfigError(f"--{option}={path!r}: damaged: {damaged} fails its CRC check (a copy cut short or "
+                              "changed on disk)")
         checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except FileNotFoundError:
         raise ConfigError(f"--{option}={path!r}: no such file") from None
@@ -3115,7 +3131,7 @@ def read_checkpoint(path, option, args=None):
         raise
     except Exception as e:  # torch raises many kinds for a file that is not a checkpoint
         raise ConfigError(f"--{option}={path!r}: not a checkpoint written by train_gpt.py, or a damaged one "
-                          f"(torch.load: {first_line(e)})") from None
+                          f"({'zipfile' if isinstance(e, zipfile.BadZipFile) else 'torch.load'}: {first_line(e)})") from None
     if not isinstance(checkpoint, dict) or checkpoint.get("format") != CHECKPOINT_FORMAT:
         raise ConfigError(f"--{option}={path!r}: not a checkpoint written by train_gpt.py")
     if args is not None:
@@ -3171,6 +3187,41 @@ def from_the_checkpoint(error, inherited):
         return error
     remedy = f"set --{name} to change it" if name in RESUME_FREE_FIELDS else "which the resumed run must keep"
     return type(error)(f"{error} (the value of the --resume checkpoint, {remedy})")
+
+
+def check_ranks_hold_one_checkpoint(path, checkpoint, ranks, hw):
+    """Every rank reads --resume itself, on several machines each its own copy: one copied before
+    the last periodic save holds an older step under the same name, and the ranks would train on
+    from different states. The zip's CRCs (its directory: no read of the tensors) tell the copies apart."""
+    with zipfile.ZipFile(path) as archive:
+        crcs = sorted((info.filename.split("/", 1)[-1], info.CRC) for info in archive.infolist())
+    digest = int.from_bytes(hashlib.sha256(repr(crcs).encode()).digest()[:7], "little")  # fits an int64
+    held = torch.tensor([digest, checkpoint["step"]], device=hw.device)
+    every = [torch.zeros_like(held) for _ in range(ranks.world_size)]
+    dist.all_gather(every, held)
+    others = [rank for rank, theirs in enumerate(every) if not torch.equal(theirs, every[0])]
+    if others:
+        steps = ", ".join(f"rank {rank}'s step {int(every[rank][1])}" for rank in others[:3])
+        message = (f"--resume={path!r}: the ranks hold different files at this path (rank 0's step {int(every[0][1])}, "
+                   f"{steps}{f', {len(others) - 3} more' if len(others) > 3 else ''}): copy rank 0's to every machine")
+        raise CheckpointError(message) if ranks.local_rank == 0 else PeerDataError(message)
+
+
+def check_checkpoint_fits(checkpoint, path, model, optimizer):
+    """In set-up, before minutes of compiling: a checkpoint of this configuration that another
+    train_gpt.py wrote (a fork's other layers) must fit the model and optimizer built here."""
+    here = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    there = {name: tuple(t.shape) for name, t in checkpoint["model"].items()}
+    misfits = [f"{name} is {'missing' if name in here else 'not in this model'}" for name in sorted(here.keys() ^ there.keys())]
+    misfits += [f"{name} is {there[name]} there, {here[name]} here" for name in sorted(here.keys() & there.keys())
+                if here[name] != there[name]]
+    try:
+        optimizer.check_state_fits(checkpoint["optimizer"])
+    except (ValueError, KeyError, TypeError) as e:
+        misfits.append(first_line(e))
+    if misfits:
+        raise CheckpointError(f"{path}: does not fit this model ({'; '.join(misfits[:3])}"
+                              f"{f'; {len(misfits) - 3} more' if len(misfits) > 3 else ''})")
 
 
 def restore_checkpoint(checkpoint, path, model, optimizer, ranks, hw, log):

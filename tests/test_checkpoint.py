@@ -8,7 +8,9 @@ import os
 import shutil
 import signal
 import subprocess
+import struct
 import sys
+import zipfile
 
 import numpy as np
 import pytest
@@ -225,12 +227,32 @@ def test_a_checkpoint_of_another_configuration_is_refused(single, tmp_path, caps
     (tmp_path / "cut.pt").write_bytes((tmp_path / "other.pt").read_bytes()[:300])
     (tmp_path / "folder.pt").mkdir()
     for name, message in [("junk.pt", "not a checkpoint written by train_gpt.py (not a torch.save file)"),
-                          ("cut.pt", "not a checkpoint written by train_gpt.py, or a damaged one (torch.load: "),
+                          ("cut.pt", "not a checkpoint written by train_gpt.py, or a damaged one (zipfile: "),
                           ("other.pt", "not a checkpoint written by"), ("missing.pt", "no such file"),
                           ("folder.pt", "is a folder, not a checkpoint file")]:
         assert train_gpt.main(argv + [f"--resume={tmp_path / name}", f"--log_dir={logs}"], {}) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and message in err and f"--resume='{tmp_path / name}'" in err
+
+
+def test_a_checkpoint_changed_on_disk_is_refused_by_its_crc(single, tmp_path, capsys):
+    """torch.load takes the bytes as they are: a few changed inside a tensor (a bad disk, a copy
+    gone wrong) would resume from other weights without a word. The zip's CRCs catch it, before
+    anything starts, for --resume and --sample alike."""
+    damaged = tmp_path / "damaged.pt"
+    shutil.copyfile(single["step3"], damaged)
+    with zipfile.ZipFile(damaged) as archive:
+        member = max(archive.infolist(), key=lambda info: info.file_size)   # a weight matrix
+    with open(damaged, "r+b") as f:
+        f.seek(member.header_offset + 26)
+        name_length, extra_length = struct.unpack("<HH", f.read(4))
+        f.seek(member.header_offset + 30 + name_length + extra_length + member.file_size // 2)
+        f.write(np.float32([0.5] * 64).tobytes())   # finite values: no nan to show it later
+    for option in ("resume", "sample"):
+        assert train_gpt.main(single["argv"] + [f"--{option}={damaged}", f"--log_dir={tmp_path / 'logs'}"], {}) == 2
+        assert capsys.readouterr().err == (f"train_gpt.py: error: --{option}='{damaged}': damaged: {member.filename} "
+                                           "fails its CRC check (a copy cut short or changed on disk)\n")
+    assert not (tmp_path / "logs").exists()
 
 
 def test_a_resume_takes_the_fields_it_does_not_set_from_the_checkpoint(single, tmp_path, capsys):
@@ -486,16 +508,56 @@ def test_a_resume_with_another_cpu_thread_count_says_it_is_not_exact(single):
         assert (warning in lines) is warned
 
 
-def test_a_checkpoint_that_does_not_fit_ends_the_run_in_one_line_and_a_complete_log(single, tmp_path, capsys):
-    """Found after warmup, when the model exists: logged as the run's last line but one, exit 1."""
-    checkpoint = load(single["step3"])
-    checkpoint["optimizer"]["tensors"].pop()  # as if the optimizer kept one tensor more now
-    torch.save(checkpoint, tmp_path / "other_code.pt")
+def test_a_checkpoint_that_does_not_fit_ends_the_run_in_set_up_in_one_line(single, tmp_path, capsys, monkeypatch):
+    """Found in set-up, once model and optimizer exist, before compiling and warmup (minutes on a
+    GPU): one line naming what does not fit, exit 1, nothing written."""
+    warmed = []
+    monkeypatch.setattr(train_gpt.GPT, "compile_for_training", lambda *a: warmed.append("compile"))
     logs = tmp_path / "logs"
-    assert train_gpt.main(single["argv"] + [f"--resume={tmp_path / 'other_code.pt'}", f"--log_dir={logs}"], {}) == 1
-    body = next(logs.glob("*/*.txt")).read_text().splitlines()
-    assert body[-2].startswith(f"{tmp_path / 'other_code.pt'}: does not fit this model (") and "peak memory" in body[-1]
-    assert capsys.readouterr().err == f"train_gpt.py: error: {body[-2]}\n"
+    saved = load(single["step3"])
+    block_weight = next(name for name, t in saved["model"].items() if t.dim() == 2 and "blocks" in name)
+    misfits = {
+        "optimizer.pt": (lambda c: c["optimizer"]["tensors"].pop(),   # as if the optimizer kept one tensor more now
+                         f"optimizer state has {len(saved['optimizer']['tensors']) - 1} tensors, this optimizer "
+                         f"{len(saved['optimizer']['tensors'])})"),
+        "wider.pt": (lambda c: c["model"].__setitem__(block_weight, torch.zeros(3, 3)),
+                     f"{block_weight} is (3, 3) there, {tuple(saved['model'][block_weight].shape)} here)"),
+        "renamed.pt": (lambda c: c["model"].__setitem__("extra.weight", c["model"].pop(block_weight)),
+                       f"{block_weight} is missing; extra.weight is not in this model)")}
+    for name, (change, expected) in misfits.items():
+        checkpoint = load(single["step3"])
+        change(checkpoint)
+        torch.save(checkpoint, tmp_path / name)
+        argv = single["argv"] + [f"--resume={tmp_path / name}", f"--log_dir={logs}", "--compile=true"]
+        assert train_gpt.main(argv, {}) == 1
+        assert capsys.readouterr().err == f"train_gpt.py: error: {tmp_path / name}: does not fit this model ({expected}\n"
+    assert not logs.exists() and not warmed
+
+
+def test_ranks_holding_different_files_at_the_resume_path_end_in_one_line(single, tmp_path):
+    """Two machines, each with its own copy of the checkpoint: one copied before the last periodic
+    save holds an older step under the same name. Set-up compares the copies (their zip CRCs)
+    and each machine says so in one line, before anything trains."""
+    older = load(single["step3"])
+    older["step"] = N - 1
+    machines = [tmp_path / "machine0", tmp_path / "machine1"]
+    for machine in machines:
+        machine.mkdir()
+    shutil.copyfile(single["step3"], machines[0] / "run.pt")
+    torch.save(older, machines[1] / "run.pt")
+    port = free_port()
+    processes = [subprocess.Popen(
+        [sys.executable, str(ROOT / "train_gpt.py"), "--resume=run.pt", f"--log_dir={tmp_path / 'logs'}",
+         "--dist_timeout_s=120"], cwd=machine, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=dict(os.environ, RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="1",
+                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1"))
+        for rank, machine in enumerate(machines)]
+    ended = [process.communicate(timeout=300) for process in processes]
+    line = (f"train_gpt.py: error: --resume='run.pt': the ranks hold different files at this path (rank 0's step {N}, "
+            f"rank 1's step {N - 1}): copy rank 0's to every machine")
+    for process, (_, err) in zip(processes, ended):
+        assert process.returncode == 1 and err == line + "\n", err
+    assert not (tmp_path / "logs").exists()
 
 
 def crash_on_save(obj, f):
