@@ -63,3 +63,20 @@ def test_run_sh_help_is_printed_once_with_its_own_variables(tmp_path):
     header = proc.stdout.split("usage:")[0]
     assert [name for name in sorted(read) if name not in header] == []
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_resume_over_several_cpu_processes_keeps_the_checkpoints_micro_batches(tmp_path):
+    """On CPU run.sh sets MICRO_BATCHES to the processes, which outranked the checkpoint: a run
+    trained with 4 micro-batches was refused by NPROC=2 ./run.sh --resume (4 there, 2 here), though
+    2 processes split 4. With --resume (or RESUME) the checkpoint's stays, unless MICRO_BATCHES is set."""
+    torch = pytest.importorskip("torch")
+    torch.save(dict(format=1, config=dict(preset="cpu", micro_batches=4), step=1), tmp_path / "run.pt")
+    env = dict(os.environ, PYTHON=sys.executable, NPROC="2", CUDA_VISIBLE_DEVICES="")
+    for args, extra, expected in [(["--resume", "run.pt"], {}, "--micro_batches=4 "),
+                                  (["--resume=run.pt"], {}, "--micro_batches=4 "),
+                                  ([], {"RESUME": "run.pt"}, "--micro_batches=4 "),
+                                  (["--resume", "run.pt"], {"MICRO_BATCHES": "2"}, "--micro_batches=2 "),
+                                  ([], {}, "--micro_batches=2 ")]:
+        proc = subprocess.run([str(ROOT / "run.sh"), *args, "--help"], cwd=tmp_path, env=dict(env, **extra),
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0 and expected in proc.stdout, (args, extra, proc.stderr[-2000:])
