@@ -235,7 +235,7 @@ def say(text, file=None, end="\n"):
     file = file or sys.stdout
     try:
         print(text, file=file, end=end, flush=True)
-    except BrokenPipeError:
+    except OSError:  # a broken pipe; EIO from a terminal closed under the run (SIGHUP)
         os.dup2(os.open(os.devnull, os.O_WRONLY), file.fileno())
 
 
@@ -2504,9 +2504,9 @@ def data_shortfall(files, args, without_bos=()):
 # initial state, so warmup cannot help the run. The clock runs during training steps, including
 # building the loader from the first shard; it stops for validation. Everything printed goes to
 # the console and to the run's log, in the public speedrun's line formats. A run that goes wrong
-# (a non-finite loss, SIGINT/SIGTERM, a log write that fails) stops at the next check, made every
-# check_every steps, before a validation and before a periodic checkpoint by all ranks together,
-# and ends in one line; main() maps it to an exit code.
+# (a non-finite loss, SIGINT/SIGTERM/SIGHUP, a log write that fails) stops at the next check,
+# made every check_every steps, before a validation and before a periodic checkpoint by all ranks
+# together, and ends in one line; main() maps it to an exit code.
 
 class RunLog:
     """records/<YYYY-MM-DD>_<run_name>/<run_id>.txt, written by rank 0 only, never overwritten.
@@ -2613,8 +2613,10 @@ class TrainResult:
         return [v for v in self.resumed_val_losses if v[0] not in here] + self.val_losses
 
 
-# Exit codes of main(); an interrupted run exits with 128 + the signal's number (130 SIGINT, 143 SIGTERM).
+# Exit codes of main(); an interrupted run exits with 128 + the signal's number (130 SIGINT, 143 SIGTERM,
+# 129 SIGHUP: a closed terminal or a dropped ssh session, which torchrun passes on too).
 EXIT_ERROR, EXIT_CONFIG, EXIT_DATA_RAN_OUT, EXIT_DIVERGED = 1, 2, 3, 4
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 class SetupError(RuntimeError):
@@ -2627,14 +2629,14 @@ class PeerDataError(DataError):
 
 
 class Interrupted(Exception):
-    """SIGINT or SIGTERM arrived before the training loop (set-up, compilation, warmup), or came
+    """A STOP_SIGNALS signal arrived before the training loop (set-up, compilation, warmup), or came
     again in the loop (StopSignals says when).
     rank_alone: set where a signal that reached only some ranks in set-up ends them all."""
     rank_alone = None
 
 
 class StopSignals:
-    """The handler of SIGINT and SIGTERM while main() runs. In set-up and warmup a signal raises
+    """The handler of STOP_SIGNALS while main() runs. In set-up and warmup a signal raises
     Interrupted at once. In the training loop it is announced and recorded: the loop stops at its
     next check, which every rank reaches at the same step, so all of them leave the process group
     together. A second signal there (the user insisting; under torchrun, the SIGTERM that a second
@@ -2796,22 +2798,23 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
         checked_step = step
         recent = step_losses[checked:]
         log_failure = getattr(log, "error", None)  # tests log to plain functions, which never fail
-        flags = [stop.signum == signal.SIGINT, stop.signum == signal.SIGTERM, log_failure is not None]
+        flags = [stop.signum == signum for signum in STOP_SIGNALS] + [log_failure is not None]
         weights_bad = (torch.stack([p.isfinite().all() for p in model.parameters()]).all().logical_not().view(1)
                        if weights else torch.zeros(1, device=hw.device))
         values = torch.cat([torch.stack(recent).float() if recent else torch.zeros(0, device=hw.device),
                             torch.tensor(flags, dtype=torch.float32, device=hw.device), weights_bad])
         if ranks.world_size > 1:
             dist.all_reduce(values)  # a sum: nan or inf on any rank stays non-finite
-        *losses, sigint, sigterm, log_failed, nonfinite_weights = values.tolist()
+        *losses, log_failed, nonfinite_weights = values.tolist()
+        losses, signalled = losses[:len(losses) - len(STOP_SIGNALS)], losses[len(losses) - len(STOP_SIGNALS):]
         bad = [i for i, loss in enumerate(losses) if not math.isfinite(loss)]
         if bad:  # before a signal: a checkpoint is written where the run did not diverge
             return (f"diverged at step {step - len(losses) + bad[0] + 1}/{N}: train loss is {losses[bad[0]]} "
                     f"(stopped at step {step})", EXIT_DIVERGED)
         if nonfinite_weights:
             return f"diverged at step {step}/{N}: a weight is nan or inf (no checkpoint written)", EXIT_DIVERGED
-        if sigint or sigterm:
-            signum = signal.SIGINT if sigint else signal.SIGTERM
+        if any(signalled):
+            signum = STOP_SIGNALS[next(i for i, ranks_signalled in enumerate(signalled) if ranks_signalled)]
             return f"interrupted at step {step}/{N} ({signal.Signals(signum).name})", 128 + signum
         if log_failed:
             return f"{log_failure or 'rank 0 cannot write the log'} at step {step}/{N}", EXIT_ERROR
@@ -3430,7 +3433,7 @@ def main(argv=None, environ=None):
     # as tests do, leaves them as they were); installed inside the try, which reports a signal at once.
     with contextlib.ExitStack() as handlers:
         try:
-            handlers.enter_context(signals_handled_by(stop, (signal.SIGINT, signal.SIGTERM)))
+            handlers.enter_context(signals_handled_by(stop, STOP_SIGNALS))
             init_process_group(args, ranks, hw)
             result = train(args, ranks, hw, log, stop=stop)
         except (DataError, RankMismatch, CheckpointError, ConfigError, SetupError) as e:

@@ -336,6 +336,7 @@ def wait_for_line(proc, pattern, timeout=120):
     (signal.SIGINT, r"^step:2/1000 train_time", r"\d+"),
     (signal.SIGTERM, r"^step:2/1000 train_time", r"\d+"),
     (signal.SIGTERM, r"^Warming up kernels", "0"),  # outside the loop: at once
+    (signal.SIGHUP, r"^step:2/1000 train_time", r"\d+"),  # a closed terminal: it killed the run without a line
 ])
 def test_signal_ends_the_run_with_one_line(tmp_path, make_shards, signum, wait_for, step):
     train_glob, val_glob, _ = make_shards()
