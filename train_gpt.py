@@ -2631,8 +2631,10 @@ class PeerDataError(DataError):
 class Interrupted(Exception):
     """A STOP_SIGNALS signal arrived before the training loop (set-up, compilation, warmup), or came
     again in the loop (StopSignals says when).
-    rank_alone: set where a signal that reached only some ranks in set-up ends them all."""
+    rank_alone: set where a signal that reached only some ranks in set-up ends them all.
+    step: where the run stands (a resumed one's warmup: the checkpoint's step)."""
     rank_alone = None
+    step = 0
 
 
 class StopSignals:
@@ -2704,6 +2706,12 @@ def long_window_blocks_at(step, args):
     blocks, at least one (the record's rule: 1 block at the start, 14 at the end)."""
     tokens = args.window_growth_tokens * (step / args.num_iterations)
     return max(1, int(-(-tokens // args.attn_block_size)))  # float floor division is exact: a true ceiling
+
+
+def last_checkpoint_line(step, path, resumed):
+    """Where a run that failed or was stopped can go on from; before the line that says why."""
+    return (f"last checkpoint: step {step}, {path}{', which this run resumed' if resumed else ''} (--resume {path} "
+            "goes on from there)")
 
 
 def peak_memory_line(hw):
@@ -2974,7 +2982,11 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
             phase, stop.phase = stop.phase, "end"  # first, before any call: no signal may raise from here on
             # A signal in warmup, which main() reports; the compiler may have wrapped its Interrupted.
             if stop.signum is not None and phase == "set-up":
-                raise Interrupted() from None
+                if resumed_step and ranks.is_master:
+                    log(last_checkpoint_line(resumed_step, args.resume, resumed=True))
+                interrupted = Interrupted()
+                interrupted.step = resumed_step
+                raise interrupted from None
             where = f"rank {ranks.rank}: " if ranks.world_size > 1 else ""  # perhaps this rank's alone
             if stop.repeat is not None:  # the user insisted: this rank ends mid-step, the others where theirs are
                 result.failure = f"interrupted at step {step}/{N} ({stop.stopped_mid_step()}: stopped mid-step)"
@@ -2992,9 +3004,8 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
         # Where the run can go on from (after a divergence, nowhere: its continuation would be exact);
         # before the line that says why the run ended, which compare.py reads above `peak memory`.
         if result.failure and result.exit_code != EXIT_DIVERGED and (saved_step or resumed_step) and ranks.is_master:
-            path, which = (checkpoint_path, "") if saved_step else (args.resume, ", which this run resumed")
-            log(f"last checkpoint: step {saved_step or resumed_step}, {path}{which} (--resume {path} goes on "
-                "from there)")
+            log(last_checkpoint_line(saved_step or resumed_step, checkpoint_path if saved_step else args.resume,
+                                     resumed=not saved_step))
         if result.failure and (result.exit_code != EXIT_ERROR or result.crashed):
             # main() prints a crash's line (on every rank) and a failed write's
             log(result.failure, console=result.exit_code != EXIT_ERROR)
@@ -3446,7 +3457,7 @@ def main(argv=None, environ=None):
             if log.started or ranks.local_rank == 0 or e.rank_alone is not None:
                 report = log if log.started else say
                 which = f"rank {e.rank_alone}: " if e.rank_alone is not None else ""
-                report(f"{which}interrupted at step 0/{args.num_iterations} ({signal.Signals(stop.signum).name})")
+                report(f"{which}interrupted at step {e.step}/{args.num_iterations} ({signal.Signals(stop.signum).name})")
                 report(peak_memory_line(hw))
             return 128 + stop.signum
         finally:

@@ -150,6 +150,29 @@ def test_a_run_that_stops_names_the_checkpoint_to_resume(single, tmp_path):
             assert last[0] == f"last checkpoint: step {N}, {path} (--resume {path} goes on from there)"
 
 
+def test_a_resumed_run_stopped_in_warmup_stands_at_the_checkpoints_step_and_names_it(single, tmp_path):
+    """Ctrl-C while a resumed run warms up (minutes of compiling on a GPU): the run stands at the
+    checkpoint's step, not 0, and the line before names the checkpoint to go on from, as after a crash."""
+    logs = tmp_path / "logs"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train_gpt.py"), f"--resume={single['step3']}",
+                             "--warmup_steps=100000", f"--log_dir={logs}"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                            start_new_session=True)
+    try:
+        for line in proc.stdout:
+            if line.startswith("Warming up kernels"):
+                break
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGINT and err == "", err
+    ending = [f"last checkpoint: step {N}, {single['step3']}, which this run resumed (--resume {single['step3']} "
+              "goes on from there)", f"interrupted at step {N}/{2 * N} (SIGINT)"]
+    assert out.splitlines()[-3:-1] == ending and out.splitlines()[-1].startswith("peak memory")
+    assert next(logs.glob("*/*.txt")).read_text().splitlines()[-3:] == out.splitlines()[-3:]
+
+
 # --- world size 2 (gloo), and moving between world sizes -----------------------------------------
 
 def world2_worker(rank, port, jobs, out_dir):
