@@ -713,7 +713,7 @@ def init_process_group(args, ranks, hw):
     # written yet, and torchrun would otherwise kill the process 30 s after its SIGTERM.
     started = time.monotonic()
     try:
-        with signals_handled_by(signal.SIG_DFL, (signal.SIGINT, signal.SIGTERM)):
+        with signals_handled_by(signal.SIG_DFL, STOP_SIGNALS):
             dist.init_process_group(hw.dist_backend, rank=ranks.rank, world_size=ranks.world_size, timeout=timeout,
                                     **kwargs)
     except (RuntimeError, ValueError) as e:  # DistError is a RuntimeError; ValueError: a bad MASTER_ADDR/PORT
