@@ -2747,6 +2747,9 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
         if args.resume:  # parse_config checked it; a read that fails now fails on one rank alone
             checkpoint = read_checkpoint(args.resume, "resume", args)
         train_files, val_files, data_note = resolve_data_files(args)
+        if trains_on_sample(args):  # its checkpoints name the sample: a resume reads it, FineWeb downloaded since or not
+            args = dataclasses.replace(args, **dict(zip(("train_files", "val_files"),
+                                                        (os.path.join(REPO_DIR, p) for p in SAMPLE_FILES))))
         val_tokens = load_val_tokens(val_files, args.val_tokens, pin)
         # every token now: a bad shard late in the list would end a run hours in
         without_bos = [path for path in train_files if not (read_shard_tokens(path) == BOS_TOKEN).any()]

@@ -1,6 +1,7 @@
 """End to end: the script trains a tiny configuration for a few steps and writes a complete log
 that records/compare.py can read; in-process training is deterministic and unaffected by warmup."""
 
+import functools
 import math
 import os
 import re
@@ -321,6 +322,40 @@ def test_cpu_preset_falls_back_to_the_sample_only_without_fineweb(tmp_path, make
     with pytest.raises(train_gpt.DataError, match=r"fineweb_val_\*.bin: no validation shards match \(FineWeb, the "
                                                   r"default of --val_files: .*, or set --val_files\)$"):
         train_gpt.resolve_data_files(train_only)
+
+
+def test_a_run_on_the_sample_resumes_on_the_sample_once_fineweb_is_downloaded(tmp_path, make_shards, monkeypatch):
+    """The cpu preset trains on the sample where FineWeb is absent; its checkpoint names the
+    sample, so a resume after FineWeb's download goes on in the same token stream (it looked for
+    its shard among FineWeb's and ended in an error about --train_files, which the user never set)."""
+    monkeypatch.setattr(train_gpt, "REPO_DIR", str(tmp_path))  # a checkout without data/fineweb10B
+    (tmp_path / "data" / "sample").mkdir(parents=True)
+    train_glob, _, _ = make_shards(prefix="sample")
+    for f in Path(train_glob).parent.glob("*.bin"):
+        f.rename(tmp_path / "data" / "sample" / f.name)
+    kept = tmp_path / "step2.pt"
+    monkeypatch.setattr(train_gpt, "save_checkpoint", functools.partial(keep_first_checkpoint, kept))
+    argv = tiny_argv(num_iterations=4, val_every=2, save_checkpoint=True, checkpoint_every=2)
+    assert train_gpt.main(argv + [f"--log_dir={tmp_path / 'full'}"], {}) == 0
+    (tmp_path / "data" / "fineweb10B").mkdir()
+    for name in ("fineweb_train_000001.bin", "fineweb_val_000000.bin"):   # FineWeb, downloaded since
+        shutil.copyfile(tmp_path / "data" / "sample" / "sample_train_000001.bin", tmp_path / "data" / "fineweb10B" / name)
+    assert train_gpt.main([f"--resume={kept}", f"--log_dir={tmp_path / 'resumed'}"], {}) == 0
+    logs = {name: next((tmp_path / name).glob("*/*.txt")).read_text() for name in ("full", "resumed")}
+    assert "fineweb" not in logs["resumed"].split("=" * 100)[-1]
+    val = {name: re.findall(r"^step:4/4 val_loss:(\S+)", text, re.M) for name, text in logs.items()}
+    assert val["resumed"] == val["full"] and len(val["full"]) == 1
+
+
+def keep_first_checkpoint(kept, path, step, *args, **kwargs):
+    """save_checkpoint, keeping a copy of the first one written (the run's later ones replace it)."""
+    written = REAL_SAVE_CHECKPOINT(path, step, *args, **kwargs)
+    if not kept.exists():
+        shutil.copyfile(path, kept)
+    return written
+
+
+REAL_SAVE_CHECKPOINT = train_gpt.save_checkpoint
 
 
 def test_training_on_a_validation_shard_is_refused(make_shards):
