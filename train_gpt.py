@@ -2747,7 +2747,7 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
         if args.resume:  # parse_config checked it; a read that fails now fails on one rank alone
             checkpoint = read_checkpoint(args.resume, "resume", args)
         train_files, val_files, data_note = resolve_data_files(args)
-        if trains_on_sample(args):  # its checkpoints name the sample: a resume reads it, FineWeb downloaded since or not
+        if trains_on_sample(args):  # its checkpoints name the sample: a resume reads it, FineWeb there since or not
             args = dataclasses.replace(args, **dict(zip(("train_files", "val_files"),
                                                         (os.path.join(REPO_DIR, p) for p in SAMPLE_FILES))))
         val_tokens = load_val_tokens(val_files, args.val_tokens, pin)
@@ -3147,8 +3147,9 @@ def read_checkpoint(path, option, args=None):
     except (ConfigError, Interrupted):
         raise
     except Exception as e:  # torch raises many kinds for a file that is not a checkpoint
+        reader = "zipfile" if isinstance(e, zipfile.BadZipFile) else "torch.load"
         raise ConfigError(f"--{option}={path!r}: not a checkpoint written by train_gpt.py, or a damaged one "
-                          f"({'zipfile' if isinstance(e, zipfile.BadZipFile) else 'torch.load'}: {first_line(e)})") from None
+                          f"({reader}: {first_line(e)})") from None
     if not isinstance(checkpoint, dict) or checkpoint.get("format") != CHECKPOINT_FORMAT:
         raise ConfigError(f"--{option}={path!r}: not a checkpoint written by train_gpt.py")
     if args is not None:
@@ -3229,7 +3230,8 @@ def check_checkpoint_fits(checkpoint, path, model, optimizer):
     train_gpt.py wrote (a fork's other layers) must fit the model and optimizer built here."""
     here = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     there = {name: tuple(t.shape) for name, t in checkpoint["model"].items()}
-    misfits = [f"{name} is {'missing' if name in here else 'not in this model'}" for name in sorted(here.keys() ^ there.keys())]
+    misfits = [f"{name} is {'missing' if name in here else 'not in this model'}"
+               for name in sorted(here.keys() ^ there.keys())]
     misfits += [f"{name} is {there[name]} there, {here[name]} here" for name in sorted(here.keys() & there.keys())
                 if here[name] != there[name]]
     try:
@@ -3460,7 +3462,8 @@ def main(argv=None, environ=None):
             if log.started or ranks.local_rank == 0 or e.rank_alone is not None:
                 report = log if log.started else say
                 which = f"rank {e.rank_alone}: " if e.rank_alone is not None else ""
-                report(f"{which}interrupted at step {e.step}/{args.num_iterations} ({signal.Signals(stop.signum).name})")
+                report(f"{which}interrupted at step {e.step}/{args.num_iterations} "
+                       f"({signal.Signals(stop.signum).name})")
                 report(peak_memory_line(hw))
             return 128 + stop.signum
         finally:
