@@ -1,5 +1,5 @@
 """The orthogonalization section of train_gpt.py: kernels vs torch, Triton vs the PyTorch
-twin, AOL's bound, accuracy.
+twin, AOL's bound and scaling, the published formulas, accuracy.
 
 Triton runs on CPU through its interpreter, which must be switched on before triton kernels
 are defined, i.e. before train_gpt is imported (tests/conftest.py does it). The interpreter
@@ -259,6 +259,113 @@ def test_aol_scaling_is_scale_invariant():
     # The row-sum floor must not kick in for small but ordinary gradients.
     G = spectra_cases()["gaussian_wide"]
     torch.testing.assert_close(ns.aol_precondition(G * 1e-12), ns.aol_precondition(G))
+
+
+def aol_reference(G):
+    """AOL's row scaling (Prach & Lampert 2022) written out for one fp64 matrix: on the wide
+    orientation X (G itself unless G has more rows than columns; a square G is not transposed),
+    row i is divided by sqrt(sum_j |(X X^T)_ij|), a sum floored at 1e-30 (all-zero rows)."""
+    tall = G.shape[0] > G.shape[1]
+    X = G.T if tall else G
+    row_sums = torch.tensor([sum(abs((X[i] * X[j]).sum().item()) for j in range(X.shape[0]))
+                             for i in range(X.shape[0])], dtype=torch.float64)
+    scaled = X / row_sums.clamp_min(1e-30).sqrt()[:, None]
+    return scaled.T if tall else scaled
+
+
+def rows_spread_over_four_decades(rows, cols, seed):
+    gen = torch.Generator().manual_seed(seed)
+    norms = torch.logspace(-2, 2, rows, dtype=torch.float64)[torch.randperm(rows, generator=gen)]
+    return norms[:, None] * torch.randn(rows, cols, generator=gen, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("shape", [(6, 3), (5, 5), (3, 7)], ids=str)
+def test_aol_precondition_is_the_schur_row_scaling(shape):
+    """aol_precondition is exactly diag(s) X with s_i = 1/sqrt(sum_j |(X X^T)_ij|) on the wide side:
+    no extra factor (a smaller one also bounds the norm by 1, so the bound tests cannot see it,
+    but it shrinks every singular value the coefficient table has to lift), and a square matrix is
+    scaled by rows, a tall one by columns. Rows four decades apart make row and column scaling,
+    and every s_i, differ a lot."""
+    G = rows_spread_over_four_decades(*shape, seed=sum(shape))
+    torch.testing.assert_close(ns.aol_precondition(G), aol_reference(G), rtol=1e-12, atol=0)
+    # far below any gradient's scale, the floor decides: s_i = 1e15, not 1/sqrt(row sum)
+    tiny = G * 1e-25
+    assert aol_reference(tiny).abs().max() < 1e-6
+    torch.testing.assert_close(ns.aol_precondition(tiny), aol_reference(tiny), rtol=1e-12, atol=0)
+
+
+def test_aol_precondition_leaves_orthonormal_rows_or_columns_alone():
+    """X X^T = I on the wide side: every row sum is 1, so a matrix that is already orthogonal
+    (orthonormal rows when wide, orthonormal columns when tall) comes back unchanged."""
+    gen = torch.Generator().manual_seed(8)
+    Q, _ = torch.linalg.qr(torch.randn(9, 4, generator=gen, dtype=torch.float64))  # orthonormal columns
+    for G in (Q, Q.T.contiguous()):
+        torch.testing.assert_close(ns.aol_precondition(G), G, rtol=1e-12, atol=1e-14)
+
+
+def test_aol_on_a_tall_matrix_is_the_transpose_of_aol_on_its_transpose():
+    """A tall matrix is worked on as its wide transpose: AOL scales its columns, and the result is
+    the transposed result of the wide input, for the scaling alone and for the whole iteration."""
+    G = torch.stack([rows_spread_over_four_decades(70, 30, seed=seed) for seed in (9, 10)])
+    torch.testing.assert_close(ns.aol_precondition(G), ns.aol_precondition(G.mT).mT, rtol=1e-12, atol=0)
+    torch.testing.assert_close(ns.orthogonalize(G, "aol"), ns.orthogonalize(G.mT, "aol").mT, rtol=1e-12, atol=1e-14)
+
+
+def test_a_tall_matrix_is_orthogonalized_through_its_small_gram():
+    """Every method iterates on the wide orientation, so a (70, 30) matrix costs 30 x 30 Gram
+    products (A = X X^T and A A), not 70 x 70 ones. Newton-Schulz and Polar Express give the same
+    result either way up to rounding (X X^T X = X (X^T X)), so only the products show it."""
+    matmul_ops = {torch.Tensor.__matmul__, torch.Tensor.matmul, torch.matmul, torch.bmm, torch.baddbmm, torch.mm}
+
+    class RecordProducts(torch.overrides.TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.shapes = set()
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            if func in matmul_ops:
+                self.shapes.add(tuple(result.shape[-2:]))
+            return result
+
+    G = random_input((70, 30), False, seed=2)
+    for method in ns.NS_METHODS:
+        with RecordProducts() as spy:
+            ns.orthogonalize(G, method, backend="torch")
+        assert spy.shapes == {(30, 30), (30, 70)}, method
+
+
+# ----------------------------------------------------------------------------- published formulas
+
+def frobenius_quintic_reference(G, safety, offset, coeffs):
+    """Newton-Schulz as Keller Jordan's Muon and Polar Express (Amsel et al. 2025) publish it, for one
+    wide fp64 matrix: X = G / (safety ||G||_F + offset), then X <- a X + (b A + c A^2) X, A = X X^T."""
+    X = G / (safety * torch.linalg.matrix_norm(G) + offset)
+    for a, b, c in coeffs:
+        A = X @ X.T
+        X = a * X + (b * A + c * A @ A) @ X
+    return X
+
+
+def test_newton_schulz_is_the_records_quintic():
+    """The default orthogonalizer is the record's: X / (||X||_F + 1e-7), then 5 steps of
+    (3.4445, -4.7750, 2.0315). At a gradient's magnitude (||G||_F ~ 0.03) the offset moves the
+    result by ~3e-6, far above fp64 rounding, so the offset is pinned as well as the table."""
+    G = random_input((16, 48), False, seed=11).double() * 1e-3
+    expected = frobenius_quintic_reference(G, 1.0, 1e-7, [(3.4445, -4.7750, 2.0315)] * 5)
+    torch.testing.assert_close(ns.orthogonalize(G), expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(ns.orthogonalize(G, "newton_schulz"), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_polar_express_normalizes_with_its_safety_factor():
+    """Polar Express normalizes as published: X / (1.02 ||X||_F + 1e-6), not Newton-Schulz's
+    X / (||X||_F + 1e-7); then the 5 steps of POLAR_EXPRESS_COEFFS. Here a factor of 1.0 would move
+    the result by 0.08 and an offset of 0 by 1.5e-4, yet both still orthogonalize, so only an exact
+    reference notices. The safety factor and offset are written here, not read from train_gpt."""
+    G = random_input((16, 48), False, seed=12).double() * 1e-3
+    assert len(ns.POLAR_EXPRESS_COEFFS) == 5
+    expected = frobenius_quintic_reference(G, 1.02, 1e-6, ns.POLAR_EXPRESS_COEFFS)
+    torch.testing.assert_close(ns.orthogonalize(G, "polar_express"), expected, rtol=1e-12, atol=1e-12)
 
 
 # ----------------------------------------------------------------------------- accuracy

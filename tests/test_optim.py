@@ -125,6 +125,43 @@ def test_muon_step_matches_the_formula():
         torch.testing.assert_close(s.param.detach(), expected, atol=1e-5, rtol=1e-5, msg=s.name)
 
 
+def test_muon_momentum_and_nesterov_over_two_steps():
+    """The record's Muon momentum: buffer m <- m.lerp(g, 1 - mu) (an EMA holding (1-mu) g after the
+    first step, not mu g), update g.lerp(m, mu) (Nesterov: the new gradient counts twice), both on
+    the wide view of each matrix. One step from a zero buffer cannot tell these apart (each is a
+    multiple of g, and orthogonalization drops the scale), so take two with unrelated gradients;
+    the second step also applies decoupled weight decay at the scheduled lr (lr_factor)."""
+    mu, muon_lr, wd, lr_factor = 0.9, 0.03, 0.1, 0.5
+    args, hw, model = perturbed_tiny_model(muon_lr=muon_lr, muon_momentum_start=mu, weight_decay=wd)
+    specs = train_gpt.param_specs(model, args)
+    optimizer = train_gpt.ShardedMuonAdam(specs, args, train_gpt.Ranks(), hw)
+    assert optimizer.muon_momentum == mu
+    muon = [s for s in specs if s.optimizer == "muon"]
+    torch.manual_seed(1)
+    g1, g2 = ({s.name: torch.randn_like(s.param) for s in specs} for _ in range(2))
+    for s in specs:
+        s.param.grad = g1[s.name].clone()
+    optimizer.step()
+    optimizer.zero_grad()
+    for group in optimizer.muon_groups:
+        for i, slot in enumerate(group["owned"]):
+            torch.testing.assert_close(group["momentum"][i], (1 - mu) * slot.view(g1[slot.spec.name]),
+                                       atol=1e-7, rtol=1e-6, msg=slot.spec.name)
+    before = {s.name: s.param.detach().clone() for s in muon}
+    for s in specs:
+        s.param.grad = g2[s.name].clone()
+    optimizer.lr_factor = lr_factor
+    optimizer.step()
+    lr = muon_lr * lr_factor
+    for s in muon:
+        m2 = ((1 - mu) * g1[s.name]).lerp(g2[s.name], 1 - mu)
+        nesterov = g2[s.name].lerp(m2, mu)
+        rows, cols = s.param.shape[-2:]
+        expected = before[s.name] * (1 - lr * wd) - lr * max(1, rows / cols) ** 0.5 * train_gpt.orthogonalize(
+            nesterov, args.ns_method, "torch")
+        torch.testing.assert_close(s.param.detach(), expected, atol=1e-5, rtol=1e-5, msg=s.name)
+
+
 def test_adam_matrices_step_is_adam_at_the_matrix_lr():
     """--matrix_optimizer adam: no Muon; every block matrix takes the record's Adam step at
     adam_lr * matrix_lr_mult (first step: m = (1-b1) g, v = (1-b2) g^2), and every other parameter
