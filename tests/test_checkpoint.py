@@ -5,6 +5,7 @@ refused in one line, and sampling is deterministic for a seed and runs on an unt
 
 import io
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -94,6 +95,20 @@ def test_resume_continues_bit_for_bit_at_world_size_1(single):
     assert [step for step, _ in a["val_losses"]] == [0, N, 2 * N] and b["val_losses"] == a["val_losses"]
     # the clock goes on from where the first run stopped
     assert resumed.train_time_ms > load(single["step3"])["train_time_ms"] > 0
+
+
+def test_a_resumed_runs_clock_goes_on_from_the_checkpoints_train_time(single):
+    """A resumed run's train_time is the whole run's, as if it had never stopped: its log's lines
+    from the checkpoint's step on, and its result, start from the checkpoint's train_time_ms, not
+    from 0 (which would make the resumed run look N steps faster; 3 steps of this run are far more
+    than the 0.5 ms of a line's rounding)."""
+    saved_ms = load(single["step3"])["train_time_ms"]
+    body = single["resumed_text"].split("=" * 100)[-1]
+    times = {(int(step), bool(val)): int(ms) for step, val, ms in
+             re.findall(r"^step:(\d+)/\d+ (val_loss:\S+ )?train_time:(\d+)ms", body, re.M)}
+    first_val, first_step, last_val = times[N, True], times[N + 1, False], times[2 * N, True]
+    assert saved_ms > 1 and saved_ms - 0.5 <= first_val <= first_step <= last_val
+    assert single["resumed"].train_time_ms == pytest.approx(last_val, abs=0.5)
 
 
 def test_logs_name_the_checkpoint(single):

@@ -98,7 +98,7 @@ def train_worker(rank, world_size, port, argv, out_path, overlap, compiled_adam=
             record["state_bytes"] = optimizer.state_bytes()
 
     result = train_gpt.train(args, ranks, hw, lambda *a, **k: None, collectives=comm, on_step=on_step)
-    record["losses"] = result.train_losses
+    record["losses"], record["val_losses"] = result.train_losses, result.val_losses
     if rank == 0:
         torch.save(record, out_path)
     dist.destroy_process_group() if dist.is_initialized() else None
@@ -118,8 +118,8 @@ def run_world(world_size, argv, tmp_path, overlap=True, compiled_adam=False):
                 states["state_bytes"] = optimizer.state_bytes()
         result = train_gpt.train(args, train_gpt.Ranks(), train_gpt.Hardware.detect(args), lambda *a, **k: None,
                                  collectives=comm, on_step=on_step)
-        return dict(losses=result.train_losses, params=states["params"], state_bytes=states["state_bytes"],
-                    calls=[comm.calls])
+        return dict(losses=result.train_losses, val_losses=result.val_losses, params=states["params"],
+                    state_bytes=states["state_bytes"], calls=[comm.calls])
     mp.start_processes(train_worker, args=(world_size, free_port(), argv, str(out), overlap, compiled_adam),
                        nprocs=world_size, join=True, start_method="spawn")
     return torch.load(out)
@@ -194,6 +194,21 @@ def test_world_sizes_train_the_same_model(equivalence_runs, world_size):
     for name, value in single["params"].items():
         torch.testing.assert_close(multi["params"][name], value, atol=MOVEMENT_FRACTION * bounds[name], rtol=0,
                                    msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_world_sizes_validate_to_the_same_loss(equivalence_runs, world_size):
+    """Rank r validates windows r, r + W, ..., so ranks can hold different counts (here 3 windows:
+    2 and 1 at W=2, none on the last rank at W=4): the loss is the sum over every rank's windows
+    over their count, world size 1's mean. An average of each rank's own mean would weigh a window
+    by how few its rank holds (and be nan where a rank holds none); the train-loss comparisons
+    cannot see it, and windows that split evenly (W=3 here) hide it."""
+    windows = EQUIVALENCE["val_tokens"] // EQUIVALENCE["val_seq_len"]
+    held = [len(range(r, windows, world_size)) for r in range(world_size)]
+    assert held == {2: [2, 1], 3: [1, 1, 1], 4: [1, 1, 1, 0]}[world_size]
+    single, multi = equivalence_runs[1]["val_losses"], equivalence_runs[world_size]["val_losses"]
+    assert [step for step, _ in multi] == [step for step, _ in single] == [EQUIVALENCE["num_iterations"]]
+    assert [loss for _, loss in multi] == pytest.approx([loss for _, loss in single], rel=LOSS_RTOL)
 
 
 def test_overlap_changes_nothing(equivalence_runs):

@@ -102,6 +102,41 @@ def test_a_shard_too_small_for_a_step_is_passed_over(make_shards, tmp_path, size
     assert all(torch.equal(a, b) for (a, _), (b, _) in zip(passed_over, left_out))
 
 
+def test_a_step_whose_room_ends_exactly_at_the_shards_end_moves_to_the_next_shard(tmp_path):
+    """The record's room test is strict: a step starts in a shard only where its position plus
+    2 x windows_per_step x seq_len + 1 tokens ends before the shard does; where it ends exactly at
+    the shard's end the step moves on. Random shards never hit that equality, so these are built
+    to: the first holds exactly a step's room from its start, the second exactly a step's room from
+    its second document's BOS (its first step fits, its second does not); the third has room to
+    spare. The loader and data_shortfall must draw the same line (a shard of exactly the room is
+    one too small)."""
+    seq_len, per_step = 8, 1
+    room = 2 * per_step * seq_len + 1  # 17
+    ids = iter(range(1, 1000))  # every token but BOS differs: a window's tokens say where it came from
+
+    def documents(*lengths):
+        return np.array([t for n in lengths for t in [BOS] + [next(ids) for _ in range(n - 1)]])
+    shards = [documents(room), documents(seq_len, room), documents(*[seq_len] * 12)]
+    assert [len(s) for s in shards] == [room, seq_len + room, 12 * seq_len]
+    files = []
+    for i, tokens in enumerate(shards):
+        files.append(str(tmp_path / f"edge_train_{i:06d}.bin"))
+        write_shard(files[-1], tokens)
+    expected = reference_windows(shards, seq_len, per_step)
+    # the first shard starts no step; the second starts one, at 0, and none at its BOS at seq_len
+    assert [(shard, start) for shard, start, _ in expected[:3]] == [(1, 0), (2, 0), (2, seq_len)]
+    loader = train_gpt.TrainBatches(files, seq_len, rank=0, world_size=1, windows_per_step=per_step)
+    got = [inputs for inputs, _ in drain(loader)]
+    loader.close()
+    for inputs, (_, _, window) in zip(got, expected):
+        assert inputs.tolist() == window[:-1].tolist()
+    assert len(got) == len(expected)
+    args = train_gpt.Hyperparameters(micro_batches=per_step, train_seq_len=seq_len, num_iterations=1)
+    assert train_gpt.data_shortfall(files, args) == [
+        f"warning: 1 training shard(s) hold at most {room} tokens, too few for a step (2 x micro_batches x "
+        f"train_seq_len + 1), and are passed over, the first {files[0]}"]
+
+
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_ranks_split_the_same_windows_without_overlap(make_shards, world_size):
     train_glob, _, (trains, _) = make_shards(train_sizes=(6_000, 6_000))

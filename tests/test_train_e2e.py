@@ -67,6 +67,13 @@ def test_script_writes_a_complete_log(tmp_path, make_shards):
     train_steps = [int(m.group(1)) for m in map(STEP_TRAIN.match, body) if m]
     assert val_steps == [0, 2, 4]
     assert train_steps == [1, 2, 3, 4]
+    # step_avg is train_time over the k steps done, the time a step took as the record's logs print
+    # it (not over k + 1), to its 2 decimals and the rounding of train_time to whole ms
+    timed = [(int(m.group(1)), int(m.group(m.re.groups - 1)), float(m.group(m.re.groups)))
+             for m in (STEP_VAL.match(line) or STEP_TRAIN.match(line) for line in body) if m]
+    assert len(timed) == 7 and timed[-1][1] > 0
+    for k, train_time, step_avg in timed:
+        assert abs(step_avg - train_time / max(k, 1)) <= 0.5 / max(k, 1) + 0.005 + 1e-9, (k, train_time, step_avg)
     assert PEAK.match(body[-1])
     assert "Resetting Model" in body
     # the console shows the same training lines
@@ -87,13 +94,13 @@ def test_script_writes_a_complete_log(tmp_path, make_shards):
     assert log.read_text() == text
 
 
-def in_process(make_shards_result, **overrides):
+def in_process(make_shards_result, on_step=None, **overrides):
     train_glob, val_glob, _ = make_shards_result
     args = train_gpt.Hyperparameters(**dict(TINY, train_files=train_glob, val_files=val_glob, **overrides))
     train_gpt.check_config(args, 1, False)
     hw = train_gpt.Hardware.detect(args)
     log = lambda *a, **k: None  # noqa: E731
-    return train_gpt.train(args, train_gpt.Ranks(), hw, log)
+    return train_gpt.train(args, train_gpt.Ranks(), hw, log, on_step=on_step)
 
 
 def test_training_lowers_the_loss_and_warmup_changes_nothing(make_shards):
@@ -106,6 +113,39 @@ def test_training_lowers_the_loss_and_warmup_changes_nothing(make_shards):
     # warmup runs on random tokens and is then undone: the run is bit-for-bit the same
     assert warm.train_losses == cold.train_losses
     assert warm.val_losses == cold.val_losses
+
+
+def test_each_step_trains_with_the_schedules_at_its_own_step(make_shards, monkeypatch):
+    """train() gives step s (counted from 0) the learning-rate factor, Muon momentum and long
+    attention window the schedules give at s, and validates at step s with the window at s: the
+    schedule tests pin the functions, this pins the step the loop passes them (s + 1, the count
+    once the step is done, would run the whole run one step ahead). on_step(s, ...) runs once s
+    steps are done, so it sees the values step s - 1 trained with. Here the lr cools down over
+    the whole run, the momentum ramps over three of its four steps, and TINY's long window grows by
+    a block a step, so an off-by-one changes each."""
+    forward = train_gpt.GPT.forward
+    windows = []  # (in training?, long window in blocks) of each forward pass, in order
+
+    def recording_forward(self, tokens, targets, long_window_blocks):
+        windows.append((self.training, int(long_window_blocks)))
+        return forward(self, tokens, targets, long_window_blocks)
+    monkeypatch.setattr(train_gpt.GPT, "forward", recording_forward)
+    seen = []  # (steps done, lr factor, Muon momentum) after each optimizer step
+    config = dict(num_iterations=4, val_every=2, micro_batches=1, cooldown_frac=1.0, muon_momentum_warmup_steps=3)
+    result = in_process(make_shards(), **config, on_step=lambda step, model, optimizer: seen.append(
+        (step, optimizer.lr_factor, optimizer.muon_momentum)))
+    args = train_gpt.Hyperparameters(**dict(TINY, **config))
+    trained = range(config["num_iterations"])
+    lr = [train_gpt.lr_factor_at(s, args) for s in trained]
+    momentum = [train_gpt.muon_momentum_at(s, args) for s in trained]
+    blocks = [train_gpt.long_window_blocks_at(s, args) for s in trained]
+    assert len(set(lr)) == 4 and len(set(momentum)) == 4 and blocks == [1, 1, 2, 3]  # each schedule moves
+    assert seen == [(s + 1, lr[s], momentum[s]) for s in trained]
+    assert [w for training, w in windows if training] == blocks  # one micro-batch: one forward a step
+    per_validation = TINY["val_tokens"] // TINY["val_seq_len"]
+    assert [step for step, _ in result.val_losses] == [0, 2, 4]
+    assert [w for training, w in windows if not training] == [
+        train_gpt.long_window_blocks_at(step, args) for step, _ in result.val_losses for _ in range(per_validation)]
 
 
 @pytest.mark.parametrize("scope", ["model", "blocks"])
