@@ -235,7 +235,7 @@ def say(text, file=None, end="\n"):
     file = file or sys.stdout
     try:
         print(text, file=file, end=end, flush=True)
-    except OSError:  # a broken pipe; EIO from a terminal closed under the run (SIGHUP)
+    except OSError:  # a broken pipe, EIO from a terminal closed under the run (SIGHUP), a full disk under `> out`
         os.dup2(os.open(os.devnull, os.O_WRONLY), file.fileno())
 
 
@@ -307,8 +307,9 @@ def command_line_options(argv):
     return cli, help_requested
 
 
-def parse_config(argv, environ, world_size=1, cuda_available=None):
-    """Build the configuration from the preset, the environment and the command line, then check it."""
+def parse_config(argv, environ, world_size=1, cuda_available=None, verify_checkpoint=True):
+    """Build the configuration from the preset, the environment and the command line, then check it.
+    verify_checkpoint: check --resume against its CRCs (a whole read: once per machine is enough)."""
     if cuda_available is None:
         cuda_available = torch.cuda.is_available()
     cli, help_requested = command_line_options(argv)
@@ -320,7 +321,7 @@ def parse_config(argv, environ, world_size=1, cuda_available=None):
     resumed, unreadable, inherited = None, None, {}
     if resume_path:
         try:
-            resumed = read_checkpoint(resume_path, "resume")
+            resumed = read_checkpoint(resume_path, "resume", verify=verify_checkpoint)
             inherited = resumed_fields(resumed, resume_path, set_fields)
         except ConfigError as e:
             resumed, unreadable = None, e
@@ -680,6 +681,16 @@ def die_with_the_launcher(environ):
             ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+# The signals that stop a run (section 8 says how); SIGHUP: a closed terminal or a dropped ssh
+# session, which torchrun passes on too.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def stop_signals():
+    """STOP_SIGNALS, less SIGHUP where it is ignored: under nohup the run is to outlive its terminal."""
+    return [s for s in STOP_SIGNALS if s != signal.SIGHUP or signal.getsignal(s) != signal.SIG_IGN]
+
+
 @contextlib.contextmanager
 def signals_handled_by(handler, signums):
     """signums go to handler meanwhile, then back to what they were (main thread only: Python
@@ -713,7 +724,7 @@ def init_process_group(args, ranks, hw):
     # written yet, and torchrun would otherwise kill the process 30 s after its SIGTERM.
     started = time.monotonic()
     try:
-        with signals_handled_by(signal.SIG_DFL, STOP_SIGNALS):
+        with signals_handled_by(signal.SIG_DFL, stop_signals()):
             dist.init_process_group(hw.dist_backend, rank=ranks.rank, world_size=ranks.world_size, timeout=timeout,
                                     **kwargs)
     except (RuntimeError, ValueError) as e:  # DistError is a RuntimeError; ValueError: a bad MASTER_ADDR/PORT
@@ -2431,7 +2442,8 @@ def resolve_data_files(args):
     embedded sample when neither is given and the FineWeb shards are not there."""
     given = (args.train_files, args.val_files)
     defaults = [p == default for p, default in zip(given, FINEWEB_FILES)]
-    patterns = [os.path.join(REPO_DIR, p) if is_default else p for p, is_default in zip(given, defaults)]
+    in_repo = [p in pair for p, pair in zip(given, zip(FINEWEB_FILES, SAMPLE_FILES))]  # the sample: a resumed run's
+    patterns = [os.path.join(REPO_DIR, p) if here else p for p, here in zip(given, in_repo)]
     note = f"data: training on {patterns[0]}, validating on {patterns[1]}"
     on_sample = trains_on_sample(args)
     if on_sample:
@@ -2548,8 +2560,9 @@ def hardware_description(hw):
     today = time.strftime("%a %b %d %H:%M:%S %Y")
     if hw.device.type == "cuda":
         try:
-            return subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=30).stdout.rstrip("\n") + "\n"
-        except (OSError, subprocess.SubprocessError):
+            return subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=30,
+                                  check=True).stdout.rstrip("\n") + "\n"
+        except (OSError, subprocess.SubprocessError):  # also one that runs and fails (a driver mismatch)
             return f"{today}\nGPU: {torch.cuda.get_device_name(hw.device)} (nvidia-smi unavailable)"
     model = platform.processor() or platform.machine()
     with contextlib.suppress(OSError, StopIteration), open("/proc/cpuinfo") as f:
@@ -2614,10 +2627,8 @@ class TrainResult:
 
 
 # Exit codes of main(); an interrupted run exits with 128 + the signal's number (130 SIGINT, 143 SIGTERM,
-# 129 SIGHUP: a closed terminal or a dropped ssh session, which torchrun passes on too).
+# 129 SIGHUP).
 EXIT_ERROR, EXIT_CONFIG, EXIT_DATA_RAN_OUT, EXIT_DIVERGED = 1, 2, 3, 4
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
 
 class SetupError(RuntimeError):
     """A failure in the set-up other than the data's or the checkpoint's (out of memory, a bug)."""
@@ -2634,7 +2645,10 @@ class Interrupted(Exception):
     rank_alone: set where a signal that reached only some ranks in set-up ends them all.
     step: where the run stands (a resumed one's warmup: the checkpoint's step)."""
     rank_alone = None
-    step = 0
+
+    def __init__(self, step=0):
+        super().__init__()
+        self.step = step
 
 
 class StopSignals:
@@ -2744,12 +2758,12 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
     # timeout. So the ranks agree here: the lowest rank that failed says why, once, and every rank ends.
     failure = checkpoint = None
     try:
-        if args.resume:  # parse_config checked it; a read that fails now fails on one rank alone
-            checkpoint = read_checkpoint(args.resume, "resume", args)
+        if args.resume:  # parse_config checked it (its CRCs too); a read that fails now fails on one rank alone
+            checkpoint = read_checkpoint(args.resume, "resume", args, verify=False)
+            checkpoint_identity = zip_crc_digest(args.resume), checkpoint["step"]
         train_files, val_files, data_note = resolve_data_files(args)
         if trains_on_sample(args):  # its checkpoints name the sample: a resume reads it, FineWeb there since or not
-            args = dataclasses.replace(args, **dict(zip(("train_files", "val_files"),
-                                                        (os.path.join(REPO_DIR, p) for p in SAMPLE_FILES))))
+            args = dataclasses.replace(args, train_files=SAMPLE_FILES[0], val_files=SAMPLE_FILES[1])
         val_tokens = load_val_tokens(val_files, args.val_tokens, pin)
         # every token now: a bad shard late in the list would end a run hours in
         without_bos = [path for path in train_files if not (read_shard_tokens(path) == BOS_TOKEN).any()]
@@ -2784,7 +2798,7 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
     if failure is not None:
         raise failure
     if checkpoint is not None and ranks.world_size > 1:
-        check_ranks_hold_one_checkpoint(args.resume, checkpoint, ranks, hw)
+        check_ranks_hold_one_checkpoint(args.resume, checkpoint_identity, ranks, hw)
     batches = None  # made inside the clock: setup derived from the data counts as training time
     # One device scalar per window size, made once: a fresh host-to-device copy every step
     # would make the host wait for the GPU.
@@ -2816,16 +2830,15 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
                             torch.tensor(flags, dtype=torch.float32, device=hw.device), weights_bad])
         if ranks.world_size > 1:
             dist.all_reduce(values)  # a sum: nan or inf on any rank stays non-finite
-        *losses, log_failed, nonfinite_weights = values.tolist()
-        losses, signalled = losses[:len(losses) - len(STOP_SIGNALS)], losses[len(losses) - len(STOP_SIGNALS):]
+        *losses, sigint, sigterm, sighup, log_failed, nonfinite_weights = values.tolist()
         bad = [i for i, loss in enumerate(losses) if not math.isfinite(loss)]
         if bad:  # before a signal: a checkpoint is written where the run did not diverge
             return (f"diverged at step {step - len(losses) + bad[0] + 1}/{N}: train loss is {losses[bad[0]]} "
                     f"(stopped at step {step})", EXIT_DIVERGED)
         if nonfinite_weights:
             return f"diverged at step {step}/{N}: a weight is nan or inf (no checkpoint written)", EXIT_DIVERGED
-        if any(signalled):
-            signum = STOP_SIGNALS[next(i for i, ranks_signalled in enumerate(signalled) if ranks_signalled)]
+        if sigint or sigterm or sighup:
+            signum = signal.SIGINT if sigint else signal.SIGTERM if sigterm else signal.SIGHUP
             return f"interrupted at step {step}/{N} ({signal.Signals(signum).name})", 128 + signum
         if log_failed:
             return f"{log_failure or 'rank 0 cannot write the log'} at step {step}/{N}", EXIT_ERROR
@@ -2987,9 +3000,7 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
             if stop.signum is not None and phase == "set-up":
                 if resumed_step and ranks.is_master:
                     log(last_checkpoint_line(resumed_step, args.resume, resumed=True))
-                interrupted = Interrupted()
-                interrupted.step = resumed_step
-                raise interrupted from None
+                raise Interrupted(step=resumed_step) from None
             where = f"rank {ranks.rank}: " if ranks.world_size > 1 else ""  # perhaps this rank's alone
             if stop.repeat is not None:  # the user insisted: this rank ends mid-step, the others where theirs are
                 result.failure = f"interrupted at step {step}/{N} ({stop.stopped_mid_step()}: stopped mid-step)"
@@ -3124,16 +3135,17 @@ def save_checkpoint(path, step, train_time_ms, args, ranks, model, optimizer, ba
     return None
 
 
-def read_checkpoint(path, option, args=None):
+def read_checkpoint(path, option, args=None, verify=True):
     """Load a checkpoint on the CPU (memory-mapped); with args, refuse it unless it was trained with
-    the same configuration, naming every field that differs. Errors are ConfigErrors naming --option."""
+    the same configuration, naming every field that differs; with verify, one whose bytes do not
+    match their CRCs. Errors are ConfigErrors naming --option."""
     try:
         with open(path, "rb") as f:
             is_zip = f.read(4) == b"PK\x03\x04"  # torch.save writes zip files
         if not is_zip:
             raise ConfigError(f"--{option}={path!r}: not a checkpoint written by train_gpt.py (not a torch.save file)")
         with zipfile.ZipFile(path) as archive:  # torch.load reads the bytes as they are: a changed one goes unseen
-            damaged = archive.testzip()
+            damaged = archive.testzip() if verify else None
         if damaged is not None:
             raise ConfigError(f"--{option}={path!r}: damaged: {damaged} fails its CRC check (a copy cut short or "
                               "changed on disk)")
@@ -3207,22 +3219,31 @@ def from_the_checkpoint(error, inherited):
     return type(error)(f"{error} (the value of the --resume checkpoint, {remedy})")
 
 
-def check_ranks_hold_one_checkpoint(path, checkpoint, ranks, hw):
-    """Every rank reads --resume itself, on several machines each its own copy: one copied before
-    the last periodic save holds an older step under the same name, and the ranks would train on
-    from different states. The zip's CRCs (its directory: no read of the tensors) tell the copies apart."""
+def zip_crc_digest(path):
+    """A digest of the CRCs in a zip's directory (no read of its contents), as an int64."""
     with zipfile.ZipFile(path) as archive:
         crcs = sorted((info.filename.split("/", 1)[-1], info.CRC) for info in archive.infolist())
-    digest = int.from_bytes(hashlib.sha256(repr(crcs).encode()).digest()[:7], "little")  # fits an int64
-    held = torch.tensor([digest, checkpoint["step"]], device=hw.device)
+    return int.from_bytes(hashlib.sha256(repr(crcs).encode()).digest()[:7], "little")
+
+
+def check_ranks_hold_one_checkpoint(path, identity, ranks, hw):
+    """Every rank reads --resume itself, on several machines each its own copy: one copied before
+    the last periodic save holds an older step under the same name, and the ranks would train on
+    from different states. identity: (zip_crc_digest, step) of this rank's file."""
+    held = torch.tensor(identity, device=hw.device)
     every = [torch.zeros_like(held) for _ in range(ranks.world_size)]
     dist.all_gather(every, held)
     others = [rank for rank, theirs in enumerate(every) if not torch.equal(theirs, every[0])]
     if others:
-        steps = ", ".join(f"rank {rank}'s step {int(every[rank][1])}" for rank in others[:3])
-        message = (f"--resume={path!r}: the ranks hold different files at this path (rank 0's step {int(every[0][1])}, "
-                   f"{steps}{f', {len(others) - 3} more' if len(others) > 3 else ''}): copy rank 0's to every machine")
-        raise CheckpointError(message) if ranks.local_rank == 0 else PeerDataError(message)
+        more = f", {len(others) - 3} more" if len(others) > 3 else ""
+        if all(theirs[1] == every[0][1] for theirs in every):   # another save of the same step (another run?)
+            which = f"at one step, {int(every[0][1])}: rank 0's and " + ", ".join(f"rank {r}'s" for r in others[:3])
+        else:
+            which = f"rank 0's step {int(every[0][1])}, " + ", ".join(f"rank {r}'s step {int(every[r][1])}"
+                                                                     for r in others[:3])
+        message = (f"--resume={path!r}: the ranks hold different files at this path ({which}{more}): copy rank 0's "
+                   "to every machine")
+        raise (CheckpointError if ranks.local_rank == 0 else PeerDataError)(message)
 
 
 def check_checkpoint_fits(checkpoint, path, model, optimizer):
@@ -3236,7 +3257,9 @@ def check_checkpoint_fits(checkpoint, path, model, optimizer):
                 if here[name] != there[name]]
     try:
         optimizer.check_state_fits(checkpoint["optimizer"])
-    except (ValueError, KeyError, TypeError) as e:
+    except KeyError as e:
+        misfits.append(f"the optimizer state has no {e}")
+    except (ValueError, TypeError) as e:
         misfits.append(first_line(e))
     if misfits:
         raise CheckpointError(f"{path}: does not fit this model ({'; '.join(misfits[:3])}"
@@ -3415,7 +3438,7 @@ def main(argv=None, environ=None):
         # Before the configuration is read: a typo may be why it is refused, or what --help shows.
         for line in near_misses_in_environment(environ) if ranks.local_rank == 0 else ():
             say(line, sys.stderr)
-        args = parse_config(argv, environ, ranks.world_size)
+        args = parse_config(argv, environ, ranks.world_size, verify_checkpoint=ranks.local_rank == 0)
         cli = command_line_options(argv)[0]  # parse_config accepted it
         from_environment = set_by_environment(cli, environ)
         if args.sample:
@@ -3449,7 +3472,7 @@ def main(argv=None, environ=None):
     # as tests do, leaves them as they were); installed inside the try, which reports a signal at once.
     with contextlib.ExitStack() as handlers:
         try:
-            handlers.enter_context(signals_handled_by(stop, STOP_SIGNALS))
+            handlers.enter_context(signals_handled_by(stop, stop_signals()))
             init_process_group(args, ranks, hw)
             result = train(args, ranks, hw, log, stop=stop)
         except (DataError, RankMismatch, CheckpointError, ConfigError, SetupError) as e:

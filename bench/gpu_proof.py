@@ -193,7 +193,8 @@ def parse_args(argv):
         opts.ns_methods, opts.variants = "newton_schulz", ""   # the preset as it is, once: the ratio first
         opts.total = opts.total or plan.get("total")
         opts.steps = opts.steps or LEASE_STEPS
-        told = f"the GPU has {memory:.0f} GiB" if memory else "the GPU's memory is unknown (nvidia-smi and torch did not say)"
+        told = (f"the GPU has {memory:.0f} GiB" if memory else
+                "the GPU's memory is unknown (nvidia-smi and torch did not say)")
         print(f"[gpu_proof] --lease {opts.lease}: {told}: phases {opts.phases}, "
               f"--total {opts.total:g}", flush=True)
     opts.phases = opts.phases or ",".join(DEFAULT_PHASES)
@@ -560,8 +561,8 @@ def end_running_and_exit(signum, frame):
     here would land in whatever frame runs, a weakref callback or a thread join, that may swallow
     it and go on; the phase's results are on disk already, the Recorder writes each change.) While
     a trainer starts, the signal waits for its pid in RUNNING: it would live on, in its own session."""
+    HELD_SIGNALS.append(signum)   # first: a trainer's thread that ends its start now finds it
     if STARTING:
-        HELD_SIGNALS.append(signum)
         return
     for pgid in list(RUNNING):
         try:
@@ -1581,8 +1582,8 @@ def phase_warm(rec, ctx):
     memory = gpu_memory_gib() if len(jobs) > 1 else None
     together = memory is not None and memory >= WARM_TOGETHER_MIN_GIB
     if memory is not None and not together:
-        rec.note(f"one after the other: the GPU has {memory:.0f} GiB, under the {WARM_TOGETHER_MIN_GIB} GiB "
-                 "both runs' peaks need at once")
+        has = f"the GPU has {memory:.0f} GiB, under" if memory else "the GPU's memory is unknown, not known to hold"
+        rec.note(f"one after the other: {has} the {WARM_TOGETHER_MIN_GIB} GiB both runs' peaks need at once")
     rec.value("together", together)
     table = rec.table("Warm-up runs (untimed; start-up cold" + (", the two at once)" if together else ")"),
                       ["run", "exit", "start-up s", "seconds", "recompiles", "graph breaks"])

@@ -906,12 +906,14 @@ def _terminal_table(runs: RecordFolder, summary: Summary, baseline, baseline_sum
         lines.append("  ".join(col[i].ljust(w) for col, w in zip(columns, widths)))
     if comparison is not None:
         c = comparison
+        interval = (f"95% interval {_fmt_interval(c.time_diff_interval_ms, 1000, 3)} s; "
+                    if c.time_diff_interval_ms else "")
         lines.append(
             (f"speedup {c.speedup:.4f}x" if c.same_steps else
              f"time ratio {c.speedup:.4f}x (not a speedup at equal work: {c.steps_note})")
-            + f"; time diff {c.time_diff_ms / 1000:+.3f} s"
-            f" (95% interval {_fmt_interval(c.time_diff_interval_ms, 1000, 3)} s; Welch p two-sided {_fmt_p(c.time_p_two_sided)}, p faster {_fmt_p(c.time_p_faster)});"
-            f" loss diff {c.loss_diff:+.5f} (p two-sided {_fmt_p(c.loss_p_two_sided)})"
+            + f"; time diff {c.time_diff_ms / 1000:+.3f} s ({interval}Welch p two-sided {_fmt_p(c.time_p_two_sided)},"
+            f" p faster {_fmt_p(c.time_p_faster)}); loss diff {c.loss_diff:+.5f}"
+            f" (p two-sided {_fmt_p(c.loss_p_two_sided)})"
         )
         fewest = min(summary.n, baseline_summary.n)
         lines.append(f"faster than the baseline: {_verdict(c.time_p_faster, fewest)}")  # the ratio is no evidence

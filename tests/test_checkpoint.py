@@ -174,9 +174,7 @@ def test_a_resumed_run_stopped_in_warmup_stands_at_the_checkpoints_step_and_name
                             stderr=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
                             start_new_session=True)
     try:
-        for line in proc.stdout:
-            if line.startswith("Warming up kernels"):
-                break
+        assert any(line.startswith("Warming up kernels") for line in proc.stdout), proc.stderr.read()[-2000:]
         os.killpg(proc.pid, signal.SIGINT)
         out, err = proc.communicate(timeout=60)
     finally:
@@ -596,6 +594,30 @@ def test_ranks_holding_different_files_at_the_resume_path_end_in_one_line(single
     for process, (_, err) in zip(processes, ended):
         assert process.returncode == 1 and err == line + "\n", err
     assert not (tmp_path / "logs").exists()
+
+
+@pytest.mark.parametrize("identities, named", [
+    ([(7, 6), (7, 6), (5, 2), (7, 6)], "(rank 0's step 6, rank 2's step 2)"),
+    ([(7, 6), (5, 6)], "(at one step, 6: rank 0's and rank 1's)"),   # two saves of one step: another run's?
+    ([(7, 6)] + [(5, 2)] * 5, "(rank 0's step 6, rank 1's step 2, rank 2's step 2, rank 3's step 2, 2 more)")])
+def test_the_ranks_copies_of_a_checkpoint_are_named_by_step(monkeypatch, identities, named):
+    """Each rank's (digest of its file's CRCs, step), gathered: the message names the steps that
+    differ from rank 0's, or, where every step is the same, that the files differ all the same.
+    Every machine's local rank 0 says it; the other ranks end quietly."""
+    def gather(every, held):
+        for mine, theirs in zip(every, identities):
+            mine.copy_(torch.tensor(theirs))
+    monkeypatch.setattr(train_gpt.dist, "all_gather", gather)
+    hw = train_gpt.Hardware.detect(train_gpt.Hyperparameters(device="cpu"))
+    line = f"--resume='run.pt': the ranks hold different files at this path {named}: copy rank 0's to every machine"
+    for local_rank, kind in ((0, train_gpt.CheckpointError), (1, train_gpt.PeerDataError)):
+        ranks = train_gpt.Ranks(rank=local_rank, local_rank=local_rank, world_size=len(identities))
+        with pytest.raises(kind) as error:
+            train_gpt.check_ranks_hold_one_checkpoint("run.pt", identities[0], ranks, hw)
+        assert str(error.value) == line and type(error.value) is kind
+    ranks = train_gpt.Ranks(world_size=len(identities))
+    monkeypatch.setattr(train_gpt.dist, "all_gather", lambda every, held: [t.copy_(held) for t in every])
+    train_gpt.check_ranks_hold_one_checkpoint("run.pt", identities[0], ranks, hw)   # one file: no error
 
 
 def crash_on_save(obj, f):

@@ -457,7 +457,8 @@ def test_main_single_run_reports_na(tmp_path, capsys):
     write_logs(tmp_path / "other", [make_log(3.279, 100_000)])
     assert compare.main([str(folder), str(tmp_path / "other")]) == 0
     verdict = "faster than the baseline: undetermined (p n/a: a t-test needs at least 2 runs)"
-    assert f"\n{verdict}\n" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"\n{verdict}\n" in out and " s (Welch p two-sided n/a, p faster n/a)" in out  # no interval either
 
 
 def test_main_warns_on_hardware_mismatch_with_baseline(good_runs, tmp_path):
@@ -633,7 +634,7 @@ def test_reference_bos_align(reference):
     assert warning.startswith("2025-07-12_BosAlign/c1fd8a38") and warning.endswith("kept")
 
 
-def test_reference_fp8_pr_against_baseline(reference):
+def test_reference_fp8_pr_against_baseline(reference, capsys):
     pr_dir = reference / "2026-07-17_FP8DownProjection_this_pr"
     base_dir = reference / "2026-07-17_FP8DownProjection_baseline"
     pr, base = compare.load_folder(pr_dir), compare.load_folder(base_dir)
@@ -670,6 +671,7 @@ def test_reference_fp8_pr_against_baseline(reference):
     assert compare.main([str(pr_dir), str(base_dir)]) == 0
     md = (pr_dir / "statistics.md").read_text()
     assert "| runs used | 13 of 13 | 13 of 13 |" in md and "1.0131x" in md
+    assert f"time diff {result.time_diff_ms / 1000:+.3f} s (95% interval " in capsys.readouterr().out
     low, high = (x / 1000 for x in result.time_diff_interval_ms)
     assert f"| train time (s) | {result.time_diff_ms / 1000:+.3f} | {low:+.3f} .. {high:+.3f} |" in md
 

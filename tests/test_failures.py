@@ -309,13 +309,15 @@ def test_crash_without_a_log_file_prints_its_traceback(make_shards, capsys):
 
 # ------------------------------------------------------------------------------ signals
 
-def start(tmp_path, argv, command=(sys.executable, str(ROOT / "train_gpt.py")), **variables):
+def start(tmp_path, argv, command=(sys.executable, str(ROOT / "train_gpt.py")), sighup=signal.SIG_DFL, **variables):
+    """sighup: the disposition the run inherits (SIG_IGN: started under nohup); not the tests' own."""
     launch_variables = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NPROC", "MICRO_BATCHES")
     env = {k: v for k, v in os.environ.items() if k not in launch_variables}
     env.update(OMP_NUM_THREADS="1", PYTHON=sys.executable, **variables)
     # a session of its own: killpg reaches every process, as Ctrl-C in a terminal does
     return subprocess.Popen([*command, *argv], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGHUP, sighup))
 
 
 def wait_for_line(proc, pattern, timeout=120):
@@ -353,6 +355,20 @@ def test_signal_ends_the_run_with_one_line(tmp_path, make_shards, signum, wait_f
     last = out.strip().splitlines()[-2:]
     assert re.fullmatch(rf"interrupted at step {step}/1000 \({name}\)", last[0]) and PEAK.match(last[1])
     assert only_log(log_dir).splitlines()[-2:] == last
+
+
+def test_under_nohup_a_sighup_leaves_the_run_going(tmp_path, make_shards):
+    """nohup ignores SIGHUP so that a run outlives its terminal: train_gpt.py keeps it ignored
+    (watching it as it watches SIGTERM would end the run at logout)."""
+    train_glob, val_glob, _ = make_shards()
+    log_dir = tmp_path / "records"
+    proc = start(tmp_path, tiny_argv(train_files=train_glob, val_files=val_glob, log_dir=log_dir,
+                                     num_iterations=30, val_every=0), sighup=signal.SIG_IGN)
+    wait_for_line(proc, r"^step:2/30 train_time")
+    os.killpg(proc.pid, signal.SIGHUP)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and err == "", err[-3000:]
+    assert "SIGHUP" not in out and re.search(r"^step:30/30 val_loss", only_log(log_dir), re.M)
 
 
 @pytest.mark.parametrize("command", [(sys.executable, str(ROOT / "train_gpt.py")), (str(ROOT / "run.sh"),)],

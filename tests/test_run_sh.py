@@ -70,7 +70,9 @@ def test_a_resume_over_several_cpu_processes_keeps_the_checkpoints_micro_batches
     trained with 4 micro-batches was refused by NPROC=2 ./run.sh --resume (4 there, 2 here), though
     2 processes split 4. With --resume (or RESUME) the checkpoint's stays, unless MICRO_BATCHES is set."""
     torch = pytest.importorskip("torch")
-    torch.save(dict(format=1, config=dict(preset="cpu", micro_batches=4), step=1), tmp_path / "run.pt")
+    import train_gpt
+    torch.save(dict(format=train_gpt.CHECKPOINT_FORMAT, config=dict(preset="cpu", micro_batches=4), step=1),
+               tmp_path / "run.pt")
     env = dict(os.environ, PYTHON=sys.executable, NPROC="2", CUDA_VISIBLE_DEVICES="")
     for args, extra, expected in [(["--resume", "run.pt"], {}, "--micro_batches=4 "),
                                   (["--resume=run.pt"], {}, "--micro_batches=4 "),

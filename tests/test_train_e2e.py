@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 import train_gpt
 from conftest import ROOT, TINY, tiny_argv
@@ -377,6 +378,8 @@ def test_a_run_on_the_sample_resumes_on_the_sample_once_fineweb_is_downloaded(tm
     monkeypatch.setattr(train_gpt, "save_checkpoint", functools.partial(keep_first_checkpoint, kept))
     argv = tiny_argv(num_iterations=4, val_every=2, save_checkpoint=True, checkpoint_every=2)
     assert train_gpt.main(argv + [f"--log_dir={tmp_path / 'full'}"], {}) == 0
+    saved = torch.load(kept, weights_only=True)["config"]   # the sample, as a path in the repository (it may move)
+    assert (saved["train_files"], saved["val_files"]) == train_gpt.SAMPLE_FILES
     (tmp_path / "data" / "fineweb10B").mkdir()
     for name in ("fineweb_train_000001.bin", "fineweb_val_000000.bin"):   # FineWeb, downloaded since
         shutil.copyfile(tmp_path / "data" / "sample" / "sample_train_000001.bin", tmp_path / "data" / "fineweb10B" / name)
