@@ -390,11 +390,11 @@ def unreadable_checkpoint_worker(rank, *args):
     if rank == 1:
         read, calls = train_gpt.read_checkpoint, []
 
-        def flaky_read(path, option, *a):
+        def flaky_read(path, option, *a, **kw):
             calls.append(path)
             if len(calls) > 1:
                 raise train_gpt.ConfigError(f"--{option}={path!r}: cannot read (Input/output error)")
-            return read(path, option, *a)
+            return read(path, option, *a, **kw)
         train_gpt.read_checkpoint = flaky_read  # a spawned process: nothing else sees this
     main_worker(rank, *args)
 
