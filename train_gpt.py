@@ -2630,6 +2630,7 @@ class TrainResult:
 # 129 SIGHUP).
 EXIT_ERROR, EXIT_CONFIG, EXIT_DATA_RAN_OUT, EXIT_DIVERGED = 1, 2, 3, 4
 
+
 class SetupError(RuntimeError):
     """A failure in the set-up other than the data's or the checkpoint's (out of memory, a bug)."""
 

@@ -801,7 +801,7 @@ def test_sampling_prints_each_token_as_drawn_and_keeps_them_on_ctrl_c(single, ca
     out, err = capsys.readouterr()
     assert len(drawn) == 5 and whole.startswith("".join(drawn) + out.rstrip("\n")) and out.endswith("\n")
     assert sum(map(bool, drawn)) >= 3  # text came out token by token, not at the end
-    assert err.startswith(f"interrupted (SIGINT) after 5 tokens in ") and f"from {path} (step {N}" in err
+    assert err.startswith("interrupted (SIGINT) after 5 tokens in ") and f"from {path} (step {N}" in err
 
 
 def test_ctrl_c_while_the_script_samples_keeps_the_text(single, tmp_path):
