@@ -754,11 +754,16 @@ def run_fingerprint(args):
     return int.from_bytes(digest.digest()[:7], "little")  # fits in int64
 
 
-def check_ranks_agree(args, ranks, hw):
-    mine = torch.tensor([run_fingerprint(args)], dtype=torch.int64, device=hw.device)
+def gathered(values, ranks, hw):
+    """Every rank's tuple of int64 values, in rank order (every rank must call it)."""
+    mine = torch.tensor(values, dtype=torch.int64, device=hw.device)
     everyone = [torch.empty_like(mine) for _ in range(ranks.world_size)]
     dist.all_gather(everyone, mine)
-    fingerprints = [int(f) for f in everyone]
+    return [tuple(int(v) for v in theirs) for theirs in everyone]
+
+
+def check_ranks_agree(args, ranks, hw):
+    fingerprints = [f for (f,) in gathered([run_fingerprint(args)], ranks, hw)]
     if len(set(fingerprints)) > 1:
         odd = [r for r, f in enumerate(fingerprints) if f != fingerprints[0]]
         raise RankMismatch(f"ranks {odd} run different code or configuration than rank 0 "
@@ -3145,11 +3150,12 @@ def read_checkpoint(path, option, args=None, verify=True):
             is_zip = f.read(4) == b"PK\x03\x04"  # torch.save writes zip files
         if not is_zip:
             raise ConfigError(f"--{option}={path!r}: not a checkpoint written by train_gpt.py (not a torch.save file)")
-        with zipfile.ZipFile(path) as archive:  # torch.load reads the bytes as they are: a changed one goes unseen
-            damaged = archive.testzip() if verify else None
-        if damaged is not None:
-            raise ConfigError(f"--{option}={path!r}: damaged: {damaged} fails its CRC check (a copy cut short or "
-                              "changed on disk)")
+        if verify:  # torch.load reads the bytes as they are: a changed one goes unseen
+            with zipfile.ZipFile(path) as archive:
+                damaged = archive.testzip()
+            if damaged is not None:
+                raise ConfigError(f"--{option}={path!r}: damaged: {damaged} fails its CRC check (a copy cut short "
+                                  "or changed on disk)")
         checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except FileNotFoundError:
         raise ConfigError(f"--{option}={path!r}: no such file") from None
@@ -3231,17 +3237,15 @@ def check_ranks_hold_one_checkpoint(path, identity, ranks, hw):
     """Every rank reads --resume itself, on several machines each its own copy: one copied before
     the last periodic save holds an older step under the same name, and the ranks would train on
     from different states. identity: (zip_crc_digest, step) of this rank's file."""
-    held = torch.tensor(identity, device=hw.device)
-    every = [torch.zeros_like(held) for _ in range(ranks.world_size)]
-    dist.all_gather(every, held)
-    others = [rank for rank, theirs in enumerate(every) if not torch.equal(theirs, every[0])]
+    every = gathered(identity, ranks, hw)
+    others = [rank for rank, theirs in enumerate(every) if theirs != every[0]]
     if others:
         more = f", {len(others) - 3} more" if len(others) > 3 else ""
-        if all(theirs[1] == every[0][1] for theirs in every):   # another save of the same step (another run?)
-            which = f"at one step, {int(every[0][1])}: rank 0's and " + ", ".join(f"rank {r}'s" for r in others[:3])
+        steps = [step for _, step in every]
+        if len(set(steps)) == 1:   # another save of the same step (another run?)
+            which = f"at one step, {steps[0]}: rank 0's and " + ", ".join(f"rank {r}'s" for r in others[:3])
         else:
-            which = f"rank 0's step {int(every[0][1])}, " + ", ".join(f"rank {r}'s step {int(every[r][1])}"
-                                                                     for r in others[:3])
+            which = f"rank 0's step {steps[0]}, " + ", ".join(f"rank {r}'s step {steps[r]}" for r in others[:3])
         message = (f"--resume={path!r}: the ranks hold different files at this path ({which}{more}): copy rank 0's "
                    "to every machine")
         raise (CheckpointError if ranks.local_rank == 0 else PeerDataError)(message)
