@@ -401,12 +401,14 @@ def test_a_run_cut_by_the_budget_leaves_the_phase_partial_with_its_figures(tmp_p
 
 
 @pytest.mark.parametrize("memory_gib, call, total, phases", [
-    (79.6, 1, None, ["env", "peer"]), (79.6, 2, 335, ["env", "train"]), (79.6, 2, 334, ["env", "kernels", "correct"]),
-    (139.8, 1, None, ["env", "warm"]), (139.8, 2, 300, ["env", "peer", "train"])])
+    (79.6, 1, None, ["env", "peer"]), (79.6, 2, 335, ["env", "train", "correct"]),
+    (79.6, 2, 334, ["env", "kernels", "correct"]),
+    (139.8, 1, None, ["env", "warm"]), (139.8, 2, 300, ["env", "peer", "train", "correct"])])
 def test_a_lease_call_runs_the_plan_for_its_gpu(tmp_path, monkeypatch, memory_gib, call, total, phases):
     """--lease 1 and 2: an H100's memory gets the record (its start-up is the longer), then ours
     where call 2 leaves its phase OURS_MIN_S (else the checks and one GPU's kernel stacks); an
-    H200's gets both compiled at once, then both timed. Every run 40 steps."""
+    H200's gets both compiled at once, then both timed. A second call ends with the checks, in
+    what time is left. Every run 40 steps."""
     monkeypatch.setattr(gpu_proof, "gpu_memory_gib", lambda: memory_gib)
     opts = gpu_proof.parse_args(["--cpu-smoke", "--out", str(tmp_path / "out"), "--lease", str(call)]
                                 + (["--total", str(total)] if total else []))
