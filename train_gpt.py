@@ -3333,12 +3333,15 @@ def gpt2_encoding():
 
 
 @torch.no_grad()
-def generate(model, args, prompt_tokens, max_new_tokens, temperature=0.8, top_k=50, seed=0, on_token=None):
+def generate(model, args, prompt_tokens, max_new_tokens, temperature=0.8, top_k=50, seed=0, on_token=None,
+             step=None):
     """New tokens continuing the document BOS + prompt_tokens, until max_new_tokens or the model
     ends the document (emits BOS). The same seed on the same device gives the same tokens.
-    on_token(token), if given, is called with each new token as it is drawn."""
+    on_token(token), if given, is called with each new token as it is drawn. The attention window
+    is the one training used at `step` (a periodic checkpoint's; default: the end of training)."""
     device = next(model.parameters()).device
-    window = torch.tensor(long_window_blocks_at(args.num_iterations, args), device=device)
+    step = args.num_iterations if step is None else step
+    window = torch.tensor(long_window_blocks_at(step, args), device=device)
     context = max(args.train_seq_len, args.val_seq_len)  # the rotary table's length
     generator = torch.Generator().manual_seed(seed)      # draws on the CPU: no device RNG involved
     tokens = torch.tensor([BOS_TOKEN, *prompt_tokens], device=device)
@@ -3421,7 +3424,7 @@ def sample_main(args, set_fields=()):
     try:  # Ctrl-C raises here (the script's SIG_DFL would end it silently, the text drawn unaccounted for)
         with signals_handled_by(signal.default_int_handler, (signal.SIGINT,)):
             generate(model, trained, encoding.encode_ordinary(args.prompt), args.max_new_tokens, args.temperature,
-                     args.top_k, args.seed, on_token=show)
+                     args.top_k, args.seed, on_token=show, step=checkpoint["step"])
         interrupted = False
     except KeyboardInterrupt:  # Ctrl-C: what was drawn stays, and a line says how much
         interrupted = True

@@ -764,21 +764,51 @@ def test_sampling_from_an_untrained_model_runs():
     assert len(train_gpt.generate(model, args, list(range(1, 300)), 3, seed=0)) == 3
 
 
+def greedy_tokens(model, args, prompt, count, step):
+    """The most likely next tokens, one at a time, with the masks and window of training's step."""
+    tokens = [train_gpt.BOS_TOKEN, *prompt]
+    window = torch.tensor(train_gpt.long_window_blocks_at(step, args))
+    for _ in range(count):
+        with torch.no_grad():
+            logits = model.head(model.trunk(torch.tensor(tokens), window))[-1, :train_gpt.BOS_TOKEN + 1]
+        tokens.append(int(logits.argmax()))
+    return tokens[len(prompt) + 1:]
+
+
 def test_greedy_sampling_takes_the_training_models_most_likely_token(single):
-    """generate() sees what the trained model sees: the same masks and window as the last training step."""
+    """generate() sees what the trained model sees: the same masks and window as training's step."""
     checkpoint = load(single["step3"])
     args = train_gpt.Hyperparameters(**checkpoint["config"])
     model = train_gpt.GPT(args, train_gpt.Hardware.detect(args)).eval()
     model.load_state_dict(checkpoint["model"])
     prompt = [464, 2068, 7586, train_gpt.BOS_TOKEN, 464, 318]  # a BOS starts a new document, as in training
     new = train_gpt.generate(model, args, prompt, 4, temperature=0)
-    tokens = [train_gpt.BOS_TOKEN, *prompt]
-    window = torch.tensor(train_gpt.long_window_blocks_at(args.num_iterations, args))
-    for token in new:
-        with torch.no_grad():
-            logits = model.head(model.trunk(torch.tensor(tokens), window))[-1, :train_gpt.BOS_TOKEN + 1]
-        assert token == int(logits.argmax())
-        tokens.append(token)
+    assert new == greedy_tokens(model, args, prompt, 4, args.num_iterations)
+
+
+def test_sampling_a_periodic_checkpoint_uses_the_window_it_was_trained_with(single, capsys, tmp_path):
+    """--sample on a checkpoint from the middle of training attended over the end of training's
+    window (here 4 blocks), wider than the model had seen (2 at step N): now the window of its step."""
+    checkpoint = load(single["step3"])
+    args = train_gpt.Hyperparameters(**checkpoint["config"])
+    assert checkpoint["step"] == N < args.num_iterations
+    assert train_gpt.long_window_blocks_at(N, args) < train_gpt.long_window_blocks_at(args.num_iterations, args)
+    # Three steps leave the attention's zero-initialized projections near zero, and the samples
+    # near independent of the window: weights moved well off them make it matter.
+    torch.manual_seed(0)
+    checkpoint["model"] = {k: v + 0.3 * torch.randn_like(v) if v.is_floating_point() else v
+                           for k, v in checkpoint["model"].items()}
+    torch.save(checkpoint, tmp_path / "moved.pt")
+    model = train_gpt.GPT(args, train_gpt.Hardware.detect(args)).eval()
+    model.load_state_dict(checkpoint["model"])
+    encoding = train_gpt.gpt2_encoding()
+    prompt_text = " ".join(f"item {i} of the list," for i in range(14))  # over 2 blocks of 32 tokens
+    prompt = encoding.encode_ordinary(prompt_text)
+    assert 2 * args.attn_block_size < len(prompt) + 1 < args.train_seq_len - 12
+    at_its_step = train_gpt.generate(model, args, prompt, 12, step=N, seed=1)
+    assert at_its_step != train_gpt.generate(model, args, prompt, 12, seed=1)  # the window matters here
+    out = sample(capsys, tmp_path / "moved.pt", "--prompt", prompt_text, "--seed", "1")
+    assert out == encoding.decode(at_its_step) + "\n"
 
 
 def test_sampling_prints_each_token_as_drawn_and_keeps_them_on_ctrl_c(single, capsys, monkeypatch):
