@@ -3099,10 +3099,14 @@ def code_fingerprint():
     return hashlib.sha256(source_code()).hexdigest()
 
 
+def machine_tag():
+    return re.sub(r"[^A-Za-z0-9-]", "-", platform.node()) or "unknown"
+
+
 def write_atomically(obj, path):
     """torch.save to a hidden temporary file in the same folder, flushed to disk, then renamed."""
     folder, name = os.path.split(path)
-    temporary = os.path.join(folder, f".{name}.{os.getpid()}.tmp")
+    temporary = os.path.join(folder, f".{name}.{machine_tag()}.{os.getpid()}.tmp")
     try:
         with open(temporary, "wb") as f:
             torch.save(obj, f)
@@ -3113,6 +3117,27 @@ def write_atomically(obj, path):
         if os.path.exists(temporary):
             os.remove(temporary)
         raise
+
+
+def remove_killed_writes(folder, log):
+    """A checkpoint write killed outright (SIGKILL, the OOM killer) leaves its temporary file, as
+    large as a checkpoint. Remove those in folder that this machine's processes left and that
+    no live process holds (another machine's, on a shared disk, may be writing), naming each."""
+    for entry in os.scandir(folder) if os.path.isdir(folder) else ():
+        match = re.fullmatch(r"\..+\.pt\.(.+)\.(\d+)\.tmp", entry.name)
+        if not match or match[1] != machine_tag():
+            continue
+        try:
+            os.kill(int(match[2]), 0)
+            continue  # its writer (or a process with its pid) lives
+        except ProcessLookupError:
+            pass
+        except OSError:  # another user's process: alive
+            continue
+        with contextlib.suppress(OSError):
+            size = entry.stat().st_size
+            os.remove(entry.path)
+            log(f"removed {entry.path} ({size / 2 ** 20:.1f} MiB): a checkpoint write that was killed left it")
 
 
 def save_checkpoint(path, step, train_time_ms, args, ranks, model, optimizer, batches, result, log):
@@ -3131,6 +3156,7 @@ def save_checkpoint(path, step, train_time_ms, args, ranks, model, optimizer, ba
                  loader=batches.state() if batches is not None else None,
                  val_losses=result.all_val_losses(),
                  threads=torch.get_num_threads() if device.type == "cpu" else None)  # they order the sums
+    remove_killed_writes(os.path.dirname(path) or ".", log)
     try:
         write_atomically(state, path)
     except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError from the OSError
@@ -3293,6 +3319,8 @@ def restore_checkpoint(checkpoint, path, model, optimizer, ranks, hw, log):
             "its sums round in another order, so the continuation is close, not exact")
     log(f"resuming from {path} at step {checkpoint['step']} (saved at world size {checkpoint['world_size']}, "
         f"resumed at {ranks.world_size})")
+    if ranks.is_master:  # where the run that stopped may have been killed while writing
+        remove_killed_writes(os.path.dirname(path) or ".", log)
     return checkpoint["step"], checkpoint["train_time_ms"]
 
 

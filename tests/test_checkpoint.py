@@ -5,6 +5,7 @@ refused in one line, and sampling is deterministic for a seed and runs on an unt
 
 import io
 import os
+import pathlib
 import re
 import shutil
 import signal
@@ -43,12 +44,16 @@ def data(tmp_path_factory):
     return dict(train_files=str(folder / "c_train_*.bin"), val_files=str(folder / "c_val_*.bin"))
 
 
-def run(argv, ranks=None, world_size=1, keep_at=None):
+def run(argv, ranks=None, world_size=1, keep_at=None, before=None):
     """train() as main() runs it, with a RunLog; returns (result, final checkpoint, log text).
-    keep_at=(step, path) copies the checkpoint written at that step to path."""
+    keep_at=(step, path) copies the checkpoint written at that step to path; before(folder) is
+    called with the log's folder before training starts."""
     ranks = ranks or train_gpt.Ranks()
     args = train_gpt.parse_config(argv, {}, world_size, False)
     log = train_gpt.RunLog(args, ranks, echo=False)
+    if before is not None:
+        pathlib.Path(log.path).parent.mkdir(parents=True, exist_ok=True)
+        before(pathlib.Path(log.path).parent)
 
     def on_step(step, model, optimizer):
         if keep_at and step == keep_at[0] and ranks.is_master:
@@ -66,12 +71,24 @@ def single(data, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("single")
     argv = tiny_argv(**data, **RESUME, log_dir=tmp / "full")
     full, final, text = run(argv, keep_at=(N, tmp / "step3.pt"))
+    leftover = killed_write_leftover(tmp, "step3.pt")  # as if the run had been killed writing there
     # --resume alone continues the run as it was configured (the checkpoint's data, windows, schedule,
     # checkpointing, ...); only this machine's fields come from the preset (warmup_steps: TINY's)
     resumed, resumed_final, resumed_text = run([f"--resume={tmp / 'step3.pt'}", f"--log_dir={tmp / 'resumed'}",
                                                 "--run_name=again", "--warmup_steps=0"])
     return dict(argv=argv, full=full, final=final, text=text, step3=tmp / "step3.pt", resumed=resumed,
-                resumed_final=resumed_final, resumed_text=resumed_text)
+                resumed_final=resumed_final, resumed_text=resumed_text, leftover=leftover)
+
+
+def killed_write_leftover(folder, name, machine=None, pid=None):
+    """The hidden temporary file a checkpoint write killed outright leaves: by default this
+    machine's, from a process that has ended."""
+    if pid is None:
+        ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+        pid = int(ended.stdout)
+    path = folder / f".{name}.{machine or train_gpt.machine_tag()}.{pid}.tmp"
+    path.write_bytes(b"PK" * 2 ** 19)
+    return path
 
 
 def load(path):
@@ -663,15 +680,36 @@ def test_a_crash_while_writing_leaves_no_checkpoint(tmp_path, monkeypatch):
     assert proc.returncode == 9, proc.stderr[-2000:]
     assert sorted(p.name for p in tmp_path.glob("*.pt")) == ["run.pt"] and path.read_bytes() == before
     assert [p.name.startswith(".run.pt.") and p.name.endswith(".tmp") for p in tmp_path.glob(".*")] == [True]
+    # the next checkpoint written in the folder removes it, and only what dead writers of this machine left
+    kept = [killed_write_leftover(tmp_path, "other.pt", pid=os.getpid()),   # a live writer
+            killed_write_leftover(tmp_path, "other.pt", machine="another-machine"),  # maybe live, elsewhere
+            tmp_path / ".other.pt.12345.tmp", tmp_path / ".notes.tmp"]  # written before machine tags; not ours
+    for path in kept[2:]:
+        path.write_bytes(b"x")
+    killed = next(p for p in tmp_path.glob(".run.pt.*.tmp"))
+    lines = []
+    train_gpt.remove_killed_writes(str(tmp_path), lines.append)
+    assert not killed.exists() and all(p.exists() for p in kept)
+    assert lines == [f"removed {killed} (0.0 MiB): a checkpoint write that was killed left it"]
+
+
+def test_resuming_removes_what_a_write_killed_beside_the_checkpoint_left(single):
+    leftover = single["leftover"]
+    assert not leftover.exists()
+    assert f"removed {leftover} (1.0 MiB): a checkpoint write that was killed left it" in single["resumed_text"]
 
 
 def test_a_full_disk_at_a_periodic_checkpoint_lets_training_go_on(data, tmp_path, monkeypatch):
     monkeypatch.setattr(torch, "save", disk_full_after_4k)
+    leftovers = []  # what an earlier run killed while writing there left: removed before the first write
     result, path, text = run(tiny_argv(**data, num_iterations=3, val_every=0, save_checkpoint=True,
-                                       checkpoint_every=1, log_dir=tmp_path))
+                                       checkpoint_every=1, log_dir=tmp_path),
+                             before=lambda folder: leftovers.append(killed_write_leftover(folder, "earlier.pt")))
     assert result.steps_done == 3 and result.failure is None and len(result.train_losses) == 3
     failed = [line for line in text.splitlines() if line.startswith("checkpoint not written: ")]
     assert failed == [f"checkpoint not written: {path}: No space left on device"] * 3  # steps 1, 2 and the end
+    removed = f"removed {leftovers[0]} (1.0 MiB): a checkpoint write that was killed left it"
+    assert not leftovers[0].exists() and text.count(removed) == 1 and text.index(removed) < text.index(failed[0])
 
 
 @pytest.mark.parametrize("save", [crash_on_save, disk_full_after_4k], ids=["oserror", "torch_runtimeerror"])
