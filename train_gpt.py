@@ -1888,10 +1888,12 @@ def flex_block_mask(tokens, window_blocks, block_size):
     partial = any_allowed & ~full
 
     def mask_mod(b, h, q_idx, kv_idx):
-        # Runs on every element of every partial block, forward and backward. Those blocks all lie
-        # inside the window (a block pair is in or out of it whole), so, as in the record, only
-        # causality and documents are checked here (with the window term too, FlexAttention took
-        # 86 ms/step on an H200, the record's 80 without it).
+        # Compiled, FlexAttention visits only the listed blocks and runs this on every element of
+        # the partial ones, forward and backward. They all lie inside the window (a block pair is
+        # in or out of it whole), so, as in the record, only causality and documents are checked
+        # (with the window term too, FlexAttention took 86 ms/step on an H200, the record's 80
+        # without it). Unfused, torch would apply this to every score and ignore the lists:
+        # attend never runs it so (flex_attention_kernel).
         return (kv_idx <= q_idx) & (docs[q_idx] == docs[kv_idx])
 
     def ordered(mask):  # each query block's key blocks, nearest first, as the record visits them

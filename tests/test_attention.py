@@ -83,10 +83,10 @@ def test_block_mask_uses_full_partial_and_skipped_blocks():
     assert int((full + partial).max()) <= 3  # the window skips older blocks
 
 
-@pytest.mark.parametrize("T, block, window, n_docs, seed", CASES[:3])
+@pytest.mark.parametrize("T, block, window, n_docs, seed", [CASES[0], CASES[2], CASES[4]])
 def test_flex_attention_forward_equals_naive_attention(T, block, window, n_docs, seed):
     # Through attend, so FlexAttention runs compiled as in training: only compiled does it visit
-    # the BlockMask's block lists and skip mask_mod on full blocks (eager, it applies mask_mod to
+    # the BlockMask's block lists and skip mask_mod on full blocks (unfused, it applies mask_mod to
     # every score and ignores the lists, and mask_mod leaves the window to the lists).
     tokens = random_documents(T, n_docs, seed)
     g = torch.Generator().manual_seed(seed + 100)
