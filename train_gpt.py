@@ -27,6 +27,7 @@ import ctypes
 import dataclasses
 import datetime
 import difflib
+import fcntl
 import functools
 import glob
 import hashlib
@@ -3106,15 +3107,17 @@ def machine_tag():
 
 
 def write_atomically(obj, path):
-    """torch.save to a hidden temporary file in the same folder, flushed to disk, then renamed."""
+    """torch.save to a hidden temporary file in the same folder, flushed to disk, then renamed.
+    The writer holds a lock on it until renamed, which remove_killed_writes respects."""
     folder, name = os.path.split(path)
     temporary = os.path.join(folder, f".{name}.{machine_tag()}.{os.getpid()}.tmp")
     try:
         with open(temporary, "wb") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(temporary, path)
+            os.replace(temporary, path)
     except BaseException:
         if os.path.exists(temporary):
             os.remove(temporary)
@@ -3123,9 +3126,14 @@ def write_atomically(obj, path):
 
 def remove_killed_writes(folder, log):
     """A checkpoint write killed outright (SIGKILL, the OOM killer) leaves its temporary file, as
-    large as a checkpoint. Remove those in folder that this machine's processes left and that
-    no live process holds (another machine's, on a shared disk, may be writing), naming each."""
-    for entry in os.scandir(folder) if os.path.isdir(folder) else ():
+    large as a checkpoint. Remove those in folder that this machine's processes left, whose
+    process has ended and whose lock no process holds (a container sharing the host's name has
+    other pids; another machine's file, on a shared disk, is left alone), naming each."""
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:  # the save that follows says what is wrong with the folder
+        return
+    for entry in entries:
         match = re.fullmatch(r"\..+\.pt\.(.+)\.(\d+)\.tmp", entry.name)
         if not match or match[1] != machine_tag():
             continue
@@ -3136,10 +3144,14 @@ def remove_killed_writes(folder, log):
             pass
         except OSError:  # another user's process: alive
             continue
-        with contextlib.suppress(OSError):
-            size = entry.stat().st_size
-            os.remove(entry.path)
-            log(f"removed {entry.path} ({size / 2 ** 20:.1f} MiB): a checkpoint write that was killed left it")
+        try:
+            with open(entry.path, "rb") as f:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: a writer holds it
+                size = os.fstat(f.fileno()).st_size
+                os.remove(entry.path)
+        except OSError:
+            continue
+        log(f"removed {entry.path} ({size / 2 ** 20:.1f} MiB): a checkpoint write that was killed left it")
 
 
 def save_checkpoint(path, step, train_time_ms, args, ranks, model, optimizer, batches, result, log):

@@ -3,6 +3,7 @@ same model (bit for bit at world size 1, within the multi-process tolerance when
 changes), a crash while writing never leaves a .pt, a checkpoint of another configuration is
 refused in one line, and sampling is deterministic for a seed and runs on an untrained model."""
 
+import fcntl
 import io
 import os
 import pathlib
@@ -687,10 +688,32 @@ def test_a_crash_while_writing_leaves_no_checkpoint(tmp_path, monkeypatch):
     for path in kept[2:]:
         path.write_bytes(b"x")
     killed = next(p for p in tmp_path.glob(".run.pt.*.tmp"))
+    # a writer whose pid this process cannot see (a container sharing the host's name) holds its lock
+    in_another_container = killed_write_leftover(tmp_path, "other.pt")
     lines = []
-    train_gpt.remove_killed_writes(str(tmp_path), lines.append)
-    assert not killed.exists() and all(p.exists() for p in kept)
+    with open(in_another_container, "rb") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        train_gpt.remove_killed_writes(str(tmp_path), lines.append)
+    assert not killed.exists() and all(p.exists() for p in kept) and in_another_container.exists()
     assert lines == [f"removed {killed} (0.0 MiB): a checkpoint write that was killed left it"]
+    train_gpt.remove_killed_writes(str(path), lines.append)  # not a folder: nothing to do, no error
+    assert len(lines) == 1
+
+
+def test_a_write_in_progress_is_not_removed_even_where_its_pid_looks_dead(tmp_path, monkeypatch):
+    """The writer holds its temporary file's lock until the rename: a cleaner that cannot see its
+    pid (another pid namespace on this host) leaves it alone."""
+    def no_such_process(pid, signal):
+        raise ProcessLookupError(pid)
+    monkeypatch.setattr(train_gpt.os, "kill", no_such_process)
+    real_save, lines = torch.save, []
+
+    def save_while_another_run_cleans(obj, f):
+        real_save(obj, f)
+        train_gpt.remove_killed_writes(str(tmp_path), lines.append)
+    monkeypatch.setattr(torch, "save", save_while_another_run_cleans)
+    train_gpt.write_atomically({"step": 1}, str(tmp_path / "run.pt"))
+    assert lines == [] and load(tmp_path / "run.pt") == {"step": 1} and os.listdir(tmp_path) == ["run.pt"]
 
 
 def test_resuming_removes_what_a_write_killed_beside_the_checkpoint_left(single):
@@ -833,8 +856,8 @@ def test_sampling_a_periodic_checkpoint_uses_the_window_it_was_trained_with(sing
     assert train_gpt.long_window_blocks_at(N, args) < train_gpt.long_window_blocks_at(args.num_iterations, args)
     # Three steps leave the attention's zero-initialized projections near zero, and the samples
     # near independent of the window: weights moved well off them make it matter.
-    torch.manual_seed(0)
-    checkpoint["model"] = {k: v + 0.3 * torch.randn_like(v) if v.is_floating_point() else v
+    g = torch.Generator().manual_seed(0)
+    checkpoint["model"] = {k: v + 0.3 * torch.randn(v.shape, generator=g).to(v.dtype) if v.is_floating_point() else v
                            for k, v in checkpoint["model"].items()}
     torch.save(checkpoint, tmp_path / "moved.pt")
     model = train_gpt.GPT(args, train_gpt.Hardware.detect(args)).eval()
