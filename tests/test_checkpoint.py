@@ -685,8 +685,8 @@ def test_a_crash_while_writing_leaves_no_checkpoint(tmp_path, monkeypatch):
     kept = [killed_write_leftover(tmp_path, "other.pt", pid=os.getpid()),   # a live writer
             killed_write_leftover(tmp_path, "other.pt", machine="another-machine"),  # maybe live, elsewhere
             tmp_path / ".other.pt.12345.tmp", tmp_path / ".notes.tmp"]  # written before machine tags; not ours
-    for path in kept[2:]:
-        path.write_bytes(b"x")
+    for untagged in kept[2:]:
+        untagged.write_bytes(b"x")
     killed = next(p for p in tmp_path.glob(".run.pt.*.tmp"))
     # a writer whose pid this process cannot see (a container sharing the host's name) holds its lock
     in_another_container = killed_write_leftover(tmp_path, "other.pt")
@@ -696,7 +696,7 @@ def test_a_crash_while_writing_leaves_no_checkpoint(tmp_path, monkeypatch):
         train_gpt.remove_killed_writes(str(tmp_path), lines.append)
     assert not killed.exists() and all(p.exists() for p in kept) and in_another_container.exists()
     assert lines == [f"removed {killed} (0.0 MiB): a checkpoint write that was killed left it"]
-    train_gpt.remove_killed_writes(str(path), lines.append)  # not a folder: nothing to do, no error
+    train_gpt.remove_killed_writes(str(path), lines.append)  # run.pt, not a folder: nothing to do, no error
     assert len(lines) == 1
 
 
@@ -705,7 +705,7 @@ def test_a_write_in_progress_is_not_removed_even_where_its_pid_looks_dead(tmp_pa
     pid (another pid namespace on this host) leaves it alone."""
     def no_such_process(pid, signal):
         raise ProcessLookupError(pid)
-    monkeypatch.setattr(train_gpt.os, "kill", no_such_process)
+    monkeypatch.setattr(os, "kill", no_such_process)
     real_save, lines = torch.save, []
 
     def save_while_another_run_cleans(obj, f):
