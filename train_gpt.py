@@ -604,6 +604,11 @@ class Hardware:
         if ranks.local_world_size > gpus:
             raise ConfigError(f"LOCAL_WORLD_SIZE={ranks.local_world_size} in the environment: this machine has "
                               f"{gpus} GPUs; start at most one process per GPU (NPROC={gpus} ./run.sh)")
+        # torch.compile does nothing under TORCHDYNAMO_DISABLE=1, and FlexAttention then runs unfused:
+        # every score held at once, and the mask's block lists, which hold the window, ignored.
+        if os.environ.get("TORCHDYNAMO_DISABLE") == "1" and not args.sample:
+            raise ConfigError("TORCHDYNAMO_DISABLE=1 in the environment: on CUDA FlexAttention runs only compiled "
+                              "(unset it: --compile false keeps the rest eager; or --device cpu)")
         device = torch.device("cuda", ranks.local_rank)
         fp8 = args.fp8_head and torch.cuda.get_device_capability(device) >= (8, 9)  # Ada, Hopper and newer
         # torch._scaled_mm, the FP8 head's matrix multiply, takes multiples of 16 only: otherwise

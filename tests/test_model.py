@@ -326,6 +326,24 @@ def test_fp8_head_shapes_are_checked_where_the_fp8_head_runs(monkeypatch):
     assert train_gpt.Hardware.detect(train_gpt.Hyperparameters(vocab_size=50257)).fp8_head is False
 
 
+def test_training_on_cuda_with_dynamo_disabled_is_refused(monkeypatch):
+    """Under TORCHDYNAMO_DISABLE=1 torch.compile does nothing, and FlexAttention runs unfused: every
+    score at once, and its mask's block lists (the window) ignored. Refused before anything starts;
+    sampling (dense attention) and CPU training are unaffected."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")
+    with pytest.raises(train_gpt.ConfigError) as err:
+        train_gpt.Hardware.detect(train_gpt.Hyperparameters())
+    assert str(err.value) == ("TORCHDYNAMO_DISABLE=1 in the environment: on CUDA FlexAttention runs only compiled "
+                              "(unset it: --compile false keeps the rest eager; or --device cpu)")
+    assert train_gpt.Hardware.detect(train_gpt.Hyperparameters(sample="run.pt")).device.type == "cuda"
+    assert train_gpt.Hardware.detect(train_gpt.Hyperparameters(device="cpu")).device.type == "cpu"
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "0")
+    assert train_gpt.Hardware.detect(train_gpt.Hyperparameters()).attention == "flex"
+
+
 @pytest.mark.parametrize("cuda, capability, fp8", [(False, None, False), (True, (8, 0), False), (True, (9, 0), True)])
 def test_hardware_branches(monkeypatch, cuda, capability, fp8):
     """FP8 only on GPUs that support it (compute capability 8.9+), Triton orthogonalization and
