@@ -3,6 +3,7 @@ same model (bit for bit at world size 1, within the multi-process tolerance when
 changes), a crash while writing never leaves a .pt, a checkpoint of another configuration is
 refused in one line, and sampling is deterministic for a seed and runs on an untrained model."""
 
+import errno
 import fcntl
 import io
 import os
@@ -714,6 +715,27 @@ def test_a_write_in_progress_is_not_removed_even_where_its_pid_looks_dead(tmp_pa
     monkeypatch.setattr(torch, "save", save_while_another_run_cleans)
     train_gpt.write_atomically({"step": 1}, str(tmp_path / "run.pt"))
     assert lines == [] and load(tmp_path / "run.pt") == {"step": 1} and os.listdir(tmp_path) == ["run.pt"]
+
+
+def test_killed_writes_of_another_users_live_process_or_another_machine_are_kept(tmp_path, monkeypatch):
+    """os.kill(pid, 0) on another user's process fails with EPERM: it lives, its file stays. The
+    machine's name is written so the pattern can read it back (a dotted or odd hostname)."""
+    monkeypatch.setattr(train_gpt.platform, "node", lambda: "gpu-7.cluster_a")
+    assert train_gpt.machine_tag() == "gpu-7-cluster-a"
+    leftover = killed_write_leftover(tmp_path, "run.pt", pid=1)   # pid 1 lives
+    other = killed_write_leftover(tmp_path, "run.pt", machine="gpu-7-cluster-b")
+
+    def not_permitted(pid, signal):
+        raise PermissionError(errno.EPERM, "Operation not permitted")
+    monkeypatch.setattr(os, "kill", not_permitted)
+    lines = []
+    train_gpt.remove_killed_writes(str(tmp_path), lines.append)
+    assert lines == [] and leftover.exists() and other.exists()
+    def ended(pid, signal):
+        raise ProcessLookupError(pid)
+    monkeypatch.setattr(os, "kill", ended)
+    train_gpt.remove_killed_writes(str(tmp_path), lines.append)
+    assert not leftover.exists() and other.exists() and len(lines) == 1
 
 
 def test_resuming_removes_what_a_write_killed_beside_the_checkpoint_left(single):

@@ -357,6 +357,35 @@ def test_signal_ends_the_run_with_one_line(tmp_path, make_shards, signum, wait_f
     assert only_log(log_dir).splitlines()[-2:] == last
 
 
+def test_a_terminal_closed_under_the_run_ends_it_in_one_line_in_the_log(tmp_path, make_shards):
+    """A terminal that closes hangs up: writes to it fail with EIO, and SIGHUP comes. The run ends
+    as for SIGHUP, its last line and the log's end written, the console's EIO no error."""
+    import pty
+    import select
+    train_glob, val_glob, _ = make_shards()
+    log_dir = tmp_path / "records"
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    terminal, console = pty.openpty()
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train_gpt.py"),
+                             *tiny_argv(train_files=train_glob, val_files=val_glob, log_dir=log_dir,
+                                        num_iterations=1000, val_every=0, warmup_steps=0)],
+                            cwd=tmp_path, env=dict(env, OMP_NUM_THREADS="1"), stdin=subprocess.DEVNULL,
+                            stdout=console, stderr=console, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
+    os.close(console)
+    shown, deadline = b"", time.time() + 120
+    while b"step:3/1000 train_time" not in shown and time.time() < deadline and proc.poll() is None:
+        if select.select([terminal], [], [], 1)[0]:
+            shown += os.read(terminal, 65536)
+    assert b"step:3/1000 train_time" in shown, shown[-2000:]
+    os.close(terminal)  # the terminal window closes: the run's next console write fails with EIO
+    time.sleep(1)       # (steps go on meanwhile, their lines to the closed terminal)
+    os.killpg(proc.pid, signal.SIGHUP)
+    assert proc.wait(timeout=60) == 128 + signal.SIGHUP
+    last = only_log(log_dir).splitlines()[-2:]
+    assert re.fullmatch(r"interrupted at step \d+/1000 \(SIGHUP\)", last[0]) and PEAK.match(last[1]), last
+
+
 def test_under_nohup_a_sighup_leaves_the_run_going(tmp_path, make_shards):
     """nohup ignores SIGHUP so that a run outlives its terminal: train_gpt.py keeps it ignored
     (watching it as it watches SIGTERM would end the run at logout)."""
