@@ -3138,12 +3138,13 @@ def remove_killed_writes(folder, log):
         entries = list(os.scandir(folder))
     except OSError:  # the save that follows says what is wrong with the folder
         return
+    ours = re.compile(rf"\..+\.pt\.{re.escape(machine_tag())}\.(\d+)\.tmp")
     for entry in entries:
-        match = re.fullmatch(r"\..+\.pt\.(.+)\.(\d+)\.tmp", entry.name)
-        if not match or match[1] != machine_tag():
+        match = ours.fullmatch(entry.name)
+        if not match:
             continue
         try:
-            os.kill(int(match[2]), 0)
+            os.kill(int(match[1]), 0)
             continue  # its writer (or a process with its pid) lives
         except ProcessLookupError:
             pass

@@ -701,11 +701,14 @@ def test_a_crash_while_writing_leaves_no_checkpoint(tmp_path, monkeypatch):
     assert len(lines) == 1
 
 
+def no_such_process(pid, signal):
+    """os.kill as it answers for a pid that has ended (or that another pid namespace holds)."""
+    raise ProcessLookupError(pid)
+
+
 def test_a_write_in_progress_is_not_removed_even_where_its_pid_looks_dead(tmp_path, monkeypatch):
     """The writer holds its temporary file's lock until the rename: a cleaner that cannot see its
     pid (another pid namespace on this host) leaves it alone."""
-    def no_such_process(pid, signal):
-        raise ProcessLookupError(pid)
     monkeypatch.setattr(os, "kill", no_such_process)
     real_save, lines = torch.save, []
 
@@ -731,9 +734,7 @@ def test_killed_writes_of_another_users_live_process_or_another_machine_are_kept
     lines = []
     train_gpt.remove_killed_writes(str(tmp_path), lines.append)
     assert lines == [] and leftover.exists() and other.exists()
-    def ended(pid, signal):
-        raise ProcessLookupError(pid)
-    monkeypatch.setattr(os, "kill", ended)
+    monkeypatch.setattr(os, "kill", no_such_process)
     train_gpt.remove_killed_writes(str(tmp_path), lines.append)
     assert not leftover.exists() and other.exists() and len(lines) == 1
 
