@@ -86,12 +86,13 @@ def trainer_config(argv):
     import dataclasses
 
     import train_gpt
+    from harness import config as cfg
 
     try:
-        args = train_gpt.parse_config(argv, dict(os.environ))
+        args = cfg.parse_config(argv, dict(os.environ))
     except train_gpt.ConfigError as e:
         return None, str(e)
-    except train_gpt.HelpRequested:
+    except cfg.HelpRequested:
         return None, "--help is not a training flag"
     return {f.name: str(getattr(args, f.name)) for f in dataclasses.fields(args)}, None
 
@@ -113,6 +114,7 @@ def label_folder(out, label):
     import types
 
     import train_gpt
+    from harness import config as cfg
 
     folder = Path(train_gpt.run_folder(types.SimpleNamespace(log_dir=str(out / "logs"), run_name=f"ab_{label}")))
     folder.mkdir(parents=True, exist_ok=True)
@@ -136,8 +138,9 @@ def run_logs(out, label, seed, since=0.0):
 
 def trainer_code_hash():
     """The code_hash records/compare.py reads from a log of this train_gpt.py (the log starts with
-    its source and a newline)."""
-    return compare._sha1("\n".join(((REPO_ROOT / "train_gpt.py").read_text() + "\n").splitlines()))
+    the code that runs, train_gpt.logged_code(), and a newline)."""
+    import train_gpt
+    return compare._sha1("\n".join((train_gpt.logged_code() + "\n").splitlines()))
 
 
 def finished_run(out, label, seed, expected, code_hash=None):
@@ -424,6 +427,7 @@ def main(argv=None):
     except OSError as e:
         fail(f"--out {out}: cannot create it ({e.strerror or e})")
     import train_gpt
+    from harness import config as cfg
     parallel = args.parallel or max(1, train_gpt.usable_cpus() // args.threads)
 
     # seed-major order, so that an interrupted A/B has as many runs of every configuration

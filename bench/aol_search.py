@@ -33,6 +33,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
 import train_gpt as ns  # noqa: E402
+from bench import derive_aol_coeffs  # noqa: E402
 from bench.derive_aol_coeffs import derive_schedule  # noqa: E402
 from bench.orthogonalize import DEFAULT_SAMPLES, DION_AOL_COEFFS, accuracy, polar_factor, singular_values  # noqa: E402
 from data.cli_util import OneLineArgumentParser, positive_float  # noqa: E402
@@ -51,7 +52,7 @@ def split_captures(samples, fit_prefix):
 
 def post_aol_spectrum(stacks):
     """All singular values of diag(s) G over the given stacks (bf16 inputs, fp64 maths)."""
-    return torch.cat([singular_values(ns.aol_precondition(stack.to(torch.bfloat16).double()))
+    return torch.cat([singular_values(derive_aol_coeffs.aol_precondition(stack.to(torch.bfloat16).double()))
                       for _, stack in stacks]).numpy()
 
 

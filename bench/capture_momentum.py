@@ -23,6 +23,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
 import train_gpt  # noqa: E402
+from harness import config as cfg  # noqa: E402
 from data.cli_util import OneLineArgumentParser, positive_int  # noqa: E402
 
 CAPTURE_MODEL = dict(
@@ -53,7 +54,7 @@ def main():
     config = train_gpt.Hyperparameters(**dict(
         CAPTURE_MODEL, num_iterations=args.steps, num_layers=args.layers, micro_batches=1, train_seq_len=args.seq_len,
         window_pattern="LSSL"[:args.layers] if args.layers <= 4 else "LSSL", ns_method=args.ns_method))
-    train_gpt.check_config(config, 1, False)
+    cfg.check_config(config, 1, False)
     hw = train_gpt.Hardware.detect(config)
 
     captured = {}

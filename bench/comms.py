@@ -27,6 +27,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
 import train_gpt  # noqa: E402
+from harness import config as cfg  # noqa: E402
 from data.cli_util import OneLineArgumentParser, positive_int  # noqa: E402
 
 
@@ -44,7 +45,7 @@ def worker(rank, world_size, port, steps, overlap, out_path):
     argv = ["--preset", "cpu", f"--num_iterations={steps}", "--val_every=0", "--warmup_steps=1",
             f"--micro_batches={world_size}", "--train_seq_len=512", "--val_seq_len=512", "--val_tokens=512",
             f"--overlap_comms={overlap}"]
-    args = train_gpt.parse_config(argv, {}, world_size, False)
+    args = cfg.parse_config(argv, {}, world_size, False)
     ranks = train_gpt.Ranks.from_env(os.environ)
     hw = train_gpt.Hardware.detect(args)
     train_gpt.init_process_group(args, ranks, hw)

@@ -163,15 +163,27 @@ def singular_value_interval(schedule, lower: float, upper: float = 1.0):
     return bounds
 
 
-def post_aol_singular_values(path):
-    """{name: fp64 singular values of each matrix after AOL scaling} for a samples file."""
-    import torch
+def aol_precondition(G):
+    """diag(s) X as AOL's first step sees it (X = G on its wide orientation, train_gpt's
+    _first_step_row_scale), in G's shape. All its singular values are <= 1; its smallest ones are
+    what an AOL coefficient table has to lift to 1, so this is the matrix to measure when choosing
+    the table."""
     if REPO_ROOT not in sys.path:
         sys.path.insert(0, REPO_ROOT)
     import train_gpt
 
+    X, tall = train_gpt._as_wide_stack(G)
+    s = train_gpt._first_step_row_scale("aol", X @ X.mT)
+    X = (X.to(s.dtype) * s[:, :, None]).to(X.dtype)
+    return (X.mT if tall else X).reshape(G.shape)
+
+
+def post_aol_singular_values(path):
+    """{name: fp64 singular values of each matrix after AOL scaling} for a samples file."""
+    import torch
+
     samples = torch.load(path, map_location="cpu")
-    return {name: torch.linalg.svdvals(train_gpt.aol_precondition(stack.double())).numpy()
+    return {name: torch.linalg.svdvals(aol_precondition(stack.double())).numpy()
             for name, stack in samples.items()}
 
 

@@ -319,7 +319,7 @@ def trainer_config_error(flags, cpu_smoke):
     base = SMOKE_TRAINER_ARGV if cpu_smoke else ["--preset", "speedrun"]
     code = ("import sys, train_gpt\n"
             "try:\n"
-            f"    train_gpt.parse_config(sys.argv[1:], {{}}, world_size=1, cuda_available={not cpu_smoke})\n"
+            f"    train_gpt.harness('config').parse_config(sys.argv[1:], {{}}, world_size=1, cuda_available={not cpu_smoke})\n"
             "except train_gpt.ConfigError as e:\n"
             "    print(e)\n")
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1")
@@ -642,7 +642,7 @@ def fmt(x):
 
 
 def speedrun_args(tg, extra=()):
-    return tg.parse_config(["--preset", "speedrun", *extra], {}, world_size=1, cuda_available=True)
+    return tg.harness("config").parse_config(["--preset", "speedrun", *extra], {}, world_size=1, cuda_available=True)
 
 
 def muon_layout(tg, torch):
@@ -967,7 +967,7 @@ def compile_counts(tg, torch, argv, cuda, backend, fp8_head=None):
     import dataclasses
     import torch._dynamo
     from torch._dynamo.utils import counters
-    args = tg.parse_config(argv, {}, world_size=1, cuda_available=cuda)
+    args = tg.harness("config").parse_config(argv, {}, world_size=1, cuda_available=cuda)
     hw = tg.Hardware.detect(args)
     on_device_of = tg._on_device_of
     if fp8_head is not None and not cuda:
@@ -1024,7 +1024,7 @@ def check_compile(rec, tg, torch, cuda):
                       "(SDPA for FlexAttention, the op bodies compiled as on CUDA), no new graphs in "
                       "round 2 (later window), no graph breaks, no fallback to eager",
                       ["scope", "count", "measured", "expected", "ok"])
-    for scope in tg.CHOICES["compile_scope"]:   # one attempt each: a failure of one keeps the other's counts
+    for scope in tg.harness("config").CHOICES["compile_scope"]:   # one attempt each: a failure of one keeps the other's counts
         rec.attempt(f"compile counts {scope}", compile_scope_counts, rec, table, tg, torch, cuda, scope, layout,
                     cpu_argv)
 
@@ -1398,7 +1398,7 @@ def trainer_setup(rec, ctx, tg):
     CPU), its settings, the validation tokens and the timing data's file patterns (noted)."""
     smoke = ctx["cpu_smoke"]
     base = SMOKE_TRAINER_ARGV if smoke else ["--preset", "speedrun"]
-    args = tg.parse_config(base, {}, world_size=1, cuda_available=not smoke)
+    args = tg.harness("config").parse_config(base, {}, world_size=1, cuda_available=not smoke)
     val_tokens = SMOKE_VAL_TOKENS if smoke else RUN_VAL_TOKENS
     train_files, val_files, note = timing_data(ctx, args.train_seq_len, args.micro_batches, args.val_seq_len,
                                                val_tokens, max(ctx["steps"], ctx["variant_steps"]))

@@ -18,6 +18,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
 import train_gpt  # noqa: E402
+from harness import config as cfg  # noqa: E402
 from data.cli_util import OneLineArgumentParser, positive_int  # noqa: E402
 
 
@@ -29,12 +30,12 @@ def main():
     args = parser.parse_args()
     os.chdir(REPO_ROOT)
     try:  # every method's configuration is checked before the first run
-        configs = [train_gpt.parse_config(["--preset", "cpu", f"--num_iterations={args.steps}",
+        configs = [cfg.parse_config(["--preset", "cpu", f"--num_iterations={args.steps}",
                                            f"--ns_method={method}", *args.extra], {}, 1, torch.cuda.is_available())
                    for method in args.methods]
     except train_gpt.ConfigError as e:
         parser.error(str(e))
-    except train_gpt.HelpRequested as e:
+    except cfg.HelpRequested as e:
         print(e)
         return
     train_gpt.keep_freed_memory_on_cpu()

@@ -40,6 +40,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
 import train_gpt as ns  # noqa: E402
+from bench import derive_aol_coeffs  # noqa: E402
 from bench.derive_aol_coeffs import derive_schedule  # noqa: E402
 from bench.gpu_proof import orthogonalize_flops  # noqa: E402
 from data.cli_util import OneLineArgumentParser, positive_float, positive_int  # noqa: E402
@@ -85,7 +86,7 @@ def aol_row(stack: torch.Tensor, reference: torch.Tensor) -> str:
     to that, not to polar(G), so no table can do better (its floor).
     singular value columns: min / median / max of diag(s) G, the range the table must
     map to 1, plus the median of the per-matrix minima."""
-    scaled = ns.aol_precondition(stack.to(torch.bfloat16).double())
+    scaled = derive_aol_coeffs.aol_precondition(stack.to(torch.bfloat16).double())
     floor = (polar_factor(scaled) - reference).norm(dim=(-2, -1)) / reference.norm(dim=(-2, -1))
     per_matrix = [singular_values(matrix) for matrix in scaled]
     everything = torch.cat(per_matrix)

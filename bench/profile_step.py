@@ -42,6 +42,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
 import train_gpt  # noqa: E402
+from harness import config as cfg  # noqa: E402
 from data.cli_util import OneLineArgumentParser  # noqa: E402
 
 
@@ -203,10 +204,10 @@ def main(argv=None):
         if "LOG_DIR" not in os.environ:
             trainer = [f"--log_dir={os.path.join(opts.out, 'logs')}", *trainer]
         try:
-            args = train_gpt.parse_config(trainer, os.environ, train_gpt.Ranks.from_env(os.environ).world_size)
+            args = cfg.parse_config(trainer, os.environ, train_gpt.Ranks.from_env(os.environ).world_size)
         except train_gpt.ConfigError as e:
             p.error(f"trainer options: {e}")
-        except train_gpt.HelpRequested:
+        except cfg.HelpRequested:
             args = None  # the trainer prints its help
         if args is not None and last > args.num_iterations:
             p.error(f"--steps={opts.steps}: the run ends at step {args.num_iterations} (--num_iterations); "

@@ -16,6 +16,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
 import train_gpt  # noqa: E402
+from harness import checkpoints as ckpt, sample as sampling  # noqa: E402
 from data.cli_util import OneLineArgumentParser, positive_int  # noqa: E402
 
 
@@ -35,7 +36,7 @@ def main():
     options = parser.parse_args()
     torch.set_num_threads(options.threads)
     try:
-        checkpoint = train_gpt.read_checkpoint(options.checkpoint, "checkpoint")
+        checkpoint = ckpt.read_checkpoint(options.checkpoint, "checkpoint")
     except train_gpt.ConfigError as e:  # no such file, or not a checkpoint: the message names it
         # as an option (--checkpoint=...); here it is the positional argument, named as argparse names it
         parser.error(str(e).replace(f"--checkpoint={options.checkpoint!r}", f"checkpoint {options.checkpoint!r}", 1))
@@ -51,7 +52,7 @@ def main():
         last = milliseconds(lambda: model.head(hidden[:, -1:]))
         every = milliseconds(lambda: model.head(hidden))
     start = time.perf_counter()
-    new = train_gpt.generate(model, args, [464], 200, seed=0)
+    new = sampling.generate(model, args, [464], 200, seed=0)
     seconds = time.perf_counter() - start
     print(f"threads {options.threads}, context {options.context} tokens: trunk {trunk:.1f} ms, "
           f"head on the last position {last:.1f} ms, head on every position {every:.1f} ms")

@@ -85,6 +85,7 @@ def stopped_by_signals():
     KeyboardInterrupt: `finally` blocks remove scratch files and main() reports it in one line,
     where the default action would end the script silently and leave them. Main thread only."""
     from shards import train_gpt  # the data tools import it anyway: its handler swap, not a second one
+    from harness import launch as launcher
     owner = os.getpid()
 
     def stop(signum, frame):
@@ -93,7 +94,7 @@ def stopped_by_signals():
             os.kill(os.getpid(), signum)
             return
         raise Stopped(signum)
-    with train_gpt.signals_handled_by(stop, [signum for signum in INTERRUPTIONS if signum != signal.SIGINT]):
+    with launcher.signals_handled_by(stop, [signum for signum in INTERRUPTIONS if signum != signal.SIGINT]):
         yield
 
 
@@ -108,8 +109,9 @@ def interruptions_held():
     halfway; one that came meanwhile is raised at the end, marked came_while_held. (Handlers that
     take note, not a blocked signal mask: torch's threads would take a process's signal for it.)"""
     from shards import train_gpt  # the data tools import it anyway
+    from harness import launch as launcher
     came = []
-    with train_gpt.signals_handled_by(lambda signum, frame: came.append(signum), INTERRUPTIONS):
+    with launcher.signals_handled_by(lambda signum, frame: came.append(signum), INTERRUPTIONS):
         yield
     if came:
         interruption = KeyboardInterrupt() if came[0] == signal.SIGINT else Stopped(came[0])

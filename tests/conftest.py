@@ -1,6 +1,7 @@
 """Shared test set-up: import paths, the Triton interpreter on CPU, small synthetic shards."""
 
 import os
+import re
 import signal
 import sys
 import time
@@ -26,6 +27,14 @@ import torch  # noqa: E402
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 from shards import BOS, write_shard  # noqa: E402
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: a fresh process, a launcher or a long run; "
+                                       "`-m \"not slow\"` is the fast tier (README, Test)")
+    # torch's own import of inductor (torch.utils.mkldnn) uses torch.jit.script_method: not ours to fix
+    config.addinivalue_line("filterwarnings",
+                            "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 
 
 def effective_block_mask(block_mask, T):
@@ -86,6 +95,18 @@ TINY = dict(
 )
 
 
+# A run's last console line: how it ended, and where its log is.
+SUMMARY = re.compile(r"(val_loss \d+\.\d{4} at step \d+/\d+ (reached|missed) the target \S+|no validation ran \(target \S+\)); "
+                     r"(train time \d+\.\d s|stopped in step \d+/\d+); log /\S+\.txt")
+
+
+def before_summary(out):
+    """The console's lines before its last, which says how the run ended (checked here)."""
+    *lines, last = out.strip().splitlines()
+    assert SUMMARY.fullmatch(last), last
+    return lines
+
+
 def tiny_argv(**overrides):
     values = dict(TINY, **overrides)
     return [f"--{k}={v}" for k, v in values.items()]
@@ -95,8 +116,9 @@ def perturbed_tiny_model(scale=0.02, **overrides):
     """(args, hw, model) for TINY with overrides, every parameter nudged off its initial value
     (zero-initialized projections and head would otherwise block most gradients)."""
     import train_gpt
+    from harness import config as cfg
     args = train_gpt.Hyperparameters(**dict(TINY, **overrides))
-    train_gpt.check_config(args, 1, False)
+    cfg.check_config(args, 1, False)
     hw = train_gpt.Hardware.detect(args)
     torch.manual_seed(0)
     model = train_gpt.GPT(args, hw)

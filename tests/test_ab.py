@@ -19,6 +19,8 @@ import compare
 from bench import ab as ab_module
 from conftest import ROOT, sigint_as_at_a_terminal, signal_when_training, tiny_argv
 
+pytestmark = pytest.mark.slow  # launches fresh processes: the full suite only (README, Test)
+
 AB = str(ROOT / "bench" / "ab.py")
 VAL_RE = re.compile(r"^step:(\d+)/(\d+) val_loss:(\S+) ")
 

@@ -5,7 +5,11 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT, sigint_as_at_a_terminal
+
+pytestmark = pytest.mark.slow  # launches fresh processes: the full suite only (README, Test)
 
 
 def bench(script, *args):

@@ -24,9 +24,12 @@ import torch.multiprocessing as mp
 
 import compare
 import train_gpt
-from conftest import ROOT, synthetic_documents, tiny_argv
+from harness import checkpoints as ckpt, config as cfg, launch as launcher, sample as sampling
+from conftest import ROOT, before_summary, synthetic_documents, tiny_argv
 from shards import write_shard
 from test_distributed import EQUIVALENCE, LOSS_RTOL, MOVEMENT_FRACTION, free_port, movement_bounds, rank_env
+
+pytestmark = pytest.mark.slow  # launches fresh processes: the full suite only (README, Test)
 
 N = 3  # steps before the checkpoint we resume from; every run has 2N
 # adam_eps as in tests/test_distributed.py (the record's 1e-10 would let Adam turn the rounding of
@@ -51,7 +54,7 @@ def run(argv, ranks=None, world_size=1, keep_at=None, before=None):
     keep_at=(step, path) copies the checkpoint written at that step to path; before(folder) is
     called with the log's folder before training starts."""
     ranks = ranks or train_gpt.Ranks()
-    args = train_gpt.parse_config(argv, {}, world_size, False)
+    args = cfg.parse_config(argv, {}, world_size, False)
     log = train_gpt.RunLog(args, ranks, echo=False)
     if before is not None:
         pathlib.Path(log.path).parent.mkdir(parents=True, exist_ok=True)
@@ -59,11 +62,11 @@ def run(argv, ranks=None, world_size=1, keep_at=None, before=None):
 
     def on_step(step, model, optimizer):
         if keep_at and step == keep_at[0] and ranks.is_master:
-            shutil.copyfile(train_gpt.checkpoint_path_of(log), keep_at[1])
+            shutil.copyfile(ckpt.checkpoint_path_of(log), keep_at[1])
     result = train_gpt.train(args, ranks, train_gpt.Hardware.detect(args), log, on_step=on_step)
     if not ranks.is_master:
         return result, None, None
-    final = train_gpt.checkpoint_path_of(log) if args.save_checkpoint else None
+    final = ckpt.checkpoint_path_of(log) if args.save_checkpoint else None
     return result, final, open(log.path).read()
 
 
@@ -88,7 +91,7 @@ def killed_write_leftover(folder, name, machine=None, pid=None):
     if pid is None:
         ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
         pid = int(ended.stdout)
-    path = folder / f".{name}.{machine or train_gpt.machine_tag()}.{pid}.tmp"
+    path = folder / f".{name}.{machine or ckpt.machine_tag()}.{pid}.tmp"
     path.write_bytes(b"PK" * 2 ** 19)
     return path
 
@@ -140,7 +143,7 @@ def test_logs_name_the_checkpoint(single):
     assert f"resuming from {single['step3']} at step {N}" in single["resumed_text"]
     saved = load(single["step3"])
     assert saved["config"]["num_iterations"] == 2 * N and saved["world_size"] == 1
-    assert saved["code_sha256"] == train_gpt.code_fingerprint()
+    assert saved["code_sha256"] == ckpt.code_fingerprint()
     assert not [f for f in os.listdir(os.path.dirname(path)) if f.endswith(".tmp")]
 
 
@@ -165,7 +168,7 @@ def test_a_run_that_stops_names_the_checkpoint_to_resume(single, tmp_path):
     resumed = [f"--resume={single['step3']}", "--warmup_steps=0"]
     for name, argv, on_step in (("crash", single["argv"], crash_at(N + 1)), ("resumed", resumed, crash_at(N + 1)),
                                 ("diverged", single["argv"], diverge_at(N + 1))):
-        args = train_gpt.parse_config(argv + [f"--log_dir={tmp_path / name}"], {}, 1, False)
+        args = cfg.parse_config(argv + [f"--log_dir={tmp_path / name}"], {}, 1, False)
         log = train_gpt.RunLog(args, train_gpt.Ranks(), echo=False)
         result = train_gpt.train(args, train_gpt.Ranks(), train_gpt.Hardware.detect(args), log, on_step=on_step)
         text = open(log.path).read()
@@ -180,7 +183,7 @@ def test_a_run_that_stops_names_the_checkpoint_to_resume(single, tmp_path):
             assert last[0] == (f"last checkpoint: step {N}, {single['step3']}, which this run resumed "
                                f"(--resume {single['step3']} goes on from there)")
         else:
-            path = train_gpt.checkpoint_path_of(log)
+            path = ckpt.checkpoint_path_of(log)
             assert last[0] == f"last checkpoint: step {N}, {path} (--resume {path} goes on from there)"
 
 
@@ -201,7 +204,7 @@ def test_a_resumed_run_stopped_in_warmup_stands_at_the_checkpoints_step_and_name
     assert proc.returncode == 128 + signal.SIGINT and err == "", err
     ending = [f"last checkpoint: step {N}, {single['step3']}, which this run resumed (--resume {single['step3']} "
               "goes on from there)", f"interrupted at step {N}/{2 * N} (SIGINT)"]
-    assert out.splitlines()[-3:-1] == ending and out.splitlines()[-1].startswith("peak memory")
+    assert before_summary(out)[-3:-1] == ending and before_summary(out)[-1].startswith("peak memory")
     assert next(logs.glob("*/*.txt")).read_text().splitlines()[-3:] == out.splitlines()[-3:]
 
 
@@ -211,7 +214,7 @@ def world2_worker(rank, port, jobs, out_dir):
     os.environ.update(rank_env(rank, 2, port))
     torch.set_num_threads(1)
     ranks = train_gpt.Ranks.from_env(os.environ)
-    args = train_gpt.parse_config(jobs[0][0], {}, 2, False)
+    args = cfg.parse_config(jobs[0][0], {}, 2, False)
     train_gpt.init_process_group(args, ranks, train_gpt.Hardware.detect(args))
     for i, (argv, keep_at) in enumerate(jobs):
         result, final, _ = run(argv, ranks, 2, keep_at)
@@ -273,9 +276,9 @@ def test_a_checkpoint_of_another_configuration_is_refused(single, tmp_path, caps
     assert "trained with a different configuration: muon_lr=0.05 there, 0.04 here, seed=0 there, 1 here" in err
     assert not logs.exists()  # refused before anything was written
     # fields that do not change the computation may differ
-    args = train_gpt.parse_config(argv + ["--val_every=1", "--run_name=other", "--save_checkpoint=false",
+    args = cfg.parse_config(argv + ["--val_every=1", "--run_name=other", "--save_checkpoint=false",
                                                 "--checkpoint_every=0"], {}, 1, False)
-    assert train_gpt.read_checkpoint(str(single["step3"]), "resume", args)["step"] == N
+    assert ckpt.read_checkpoint(str(single["step3"]), "resume", args)["step"] == N
     # files that are not checkpoints
     (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
     torch.save({"weights": torch.zeros(2)}, tmp_path / "other.pt")
@@ -313,39 +316,39 @@ def test_a_checkpoint_changed_on_disk_is_refused_by_its_crc(single, tmp_path, ca
 def test_a_resume_takes_the_fields_it_does_not_set_from_the_checkpoint(single, tmp_path, capsys):
     path = str(single["step3"])
     trained = load(path)["config"]
-    args = train_gpt.parse_config([f"--resume={path}"], {}, 1, False)
-    cpu = train_gpt.parse_config([], {}, 1, False)
+    args = cfg.parse_config([f"--resume={path}"], {}, 1, False)
+    cpu = cfg.parse_config([], {}, 1, False)
     for name, value in vars(args).items():
         if name == "resume":
             assert value == path
-        elif name in train_gpt.LAUNCH_FIELDS:  # this machine's: the cpu preset's
+        elif name in ckpt.LAUNCH_FIELDS:  # this machine's: the cpu preset's
             assert value == getattr(cpu, name), name
         else:
             assert value == trained[name], name
     assert (args.num_layers, args.micro_batches, args.save_checkpoint) == (4, 2, True)  # not the cpu preset's
     # set fields win: those that may differ are taken, the others must agree with the checkpoint
-    args = train_gpt.parse_config([f"--resume={path}", "--val_every=1", "--num_layers=4"], {"RUN_NAME": "b"}, 1, False)
+    args = cfg.parse_config([f"--resume={path}", "--val_every=1", "--num_layers=4"], {"RUN_NAME": "b"}, 1, False)
     assert (args.val_every, args.run_name, args.num_layers) == (1, "b", 4)
     assert train_gpt.main([f"--resume={path}", f"--log_dir={tmp_path}"], {"SEED": "5"}) == train_gpt.EXIT_CONFIG
     assert capsys.readouterr().err == (f"train_gpt.py: error: --resume={path!r}: trained with a different "
                                        "configuration: seed=0 there, 5 here (set by SEED in the environment)\n")
     # the environment's RESUME is read as the option is; --help shows the values the run would take
-    with pytest.raises(train_gpt.HelpRequested, match=r"--micro_batches=2 "):
-        train_gpt.parse_config(["--help"], {"RESUME": path}, 1, False)
+    with pytest.raises(cfg.HelpRequested, match=r"--micro_batches=2 "):
+        cfg.parse_config(["--help"], {"RESUME": path}, 1, False)
     # a checkpoint that cannot be read lends nothing, and is named once the options pass their checks
     missing = str(tmp_path / "missing.pt")
     with pytest.raises(train_gpt.ConfigError, match="^--val_every=-1: must not be negative$"):
-        train_gpt.parse_config([f"--resume={missing}", "--val_every=-1"], {}, 1, False)
+        cfg.parse_config([f"--resume={missing}", "--val_every=-1"], {}, 1, False)
     with pytest.raises(train_gpt.ConfigError, match=f"^--resume='{missing}': no such file$"):
-        train_gpt.parse_config([f"--resume={missing}"], {}, 1, False)
+        cfg.parse_config([f"--resume={missing}"], {}, 1, False)
     # at world size 3: not the preset's micro_batches, which the checkpoint would have replaced;
     # a value the user set is theirs to mend first
     with pytest.raises(train_gpt.ConfigError, match=f"^--resume='{missing}': no such file$"):
-        train_gpt.parse_config([f"--resume={missing}"], {}, 3, False)
+        cfg.parse_config([f"--resume={missing}"], {}, 3, False)
     with pytest.raises(train_gpt.ConfigError, match="^--micro_batches=2: world size 3 must divide it"):
-        train_gpt.parse_config([f"--resume={missing}", "--micro_batches=2"], {}, 3, False)
-    with pytest.raises(train_gpt.HelpRequested) as shown:
-        train_gpt.parse_config([f"--resume={missing}", "--help"], {}, 1, False)
+        cfg.parse_config([f"--resume={missing}", "--micro_batches=2"], {}, 3, False)
+    with pytest.raises(cfg.HelpRequested) as shown:
+        cfg.parse_config([f"--resume={missing}", "--help"], {}, 1, False)
     assert "then of the --resume checkpoint" not in str(shown.value)
     assert f"The --resume checkpoint gives no values: --resume='{missing}': no such file" in str(shown.value)
 
@@ -353,11 +356,11 @@ def test_a_resume_takes_the_fields_it_does_not_set_from_the_checkpoint(single, t
 def test_a_value_from_the_checkpoint_that_fails_here_says_where_it_came_from(single, tmp_path, capsys):
     path = str(single["step3"])
     # checkpointing goes as a pair: turning it off keeps the checkpoint's --checkpoint_every out too
-    args = train_gpt.parse_config([f"--resume={path}", "--save_checkpoint=false"], {}, 1, False)
+    args = cfg.parse_config([f"--resume={path}", "--save_checkpoint=false"], {}, 1, False)
     assert (args.save_checkpoint, args.checkpoint_every) == (False, 0)
     for argv, expected in [(["--checkpoint_every=1"], (True, 1)), (["--checkpoint_every=0"], (True, 0)),
                            (["--save_checkpoint=true"], (True, N))]:
-        args = train_gpt.parse_config([f"--resume={path}"] + argv, {}, 1, False)
+        args = cfg.parse_config([f"--resume={path}"] + argv, {}, 1, False)
         assert (args.save_checkpoint, args.checkpoint_every) == expected, argv
     assert train_gpt.main([f"--resume={path}", "--save_checkpoint=false"], {"CHECKPOINT_EVERY": "1"}) == 2
     assert capsys.readouterr().err == "train_gpt.py: error: CHECKPOINT_EVERY=1: needs --save_checkpoint true\n"
@@ -366,7 +369,7 @@ def test_a_value_from_the_checkpoint_that_fails_here_says_where_it_came_from(sin
     assert capsys.readouterr().err == "train_gpt.py: error: --sample and --resume: choose one\n"
     # a value the checkpoint gave that fails here says so, and how to change it
     with pytest.raises(train_gpt.ConfigError) as refused:
-        train_gpt.parse_config([f"--resume={path}"], {}, 3, False)
+        cfg.parse_config([f"--resume={path}"], {}, 3, False)
     assert str(refused.value) == ("--micro_batches=2: world size 3 must divide it (set --micro_batches=3 or another "
                                   "multiple of 3) (the value of the --resume checkpoint, which the resumed run must keep)")
     checkpoint = load(path)
@@ -387,9 +390,9 @@ def test_a_value_from_the_checkpoint_that_fails_here_says_where_it_came_from(sin
     fork = r"--resume='.*fork.pt': trained with the preset 'laptop', which this train_gpt.py does not have \(speedrun, cpu\)"
     for argv in ([], ["--preset=cpu"]):
         with pytest.raises(train_gpt.ConfigError, match=f"^{fork}$"):
-            train_gpt.parse_config([f"--resume={tmp_path / 'fork.pt'}"] + argv, {}, 1, False)
-    with pytest.raises(train_gpt.HelpRequested, match=f"The --resume checkpoint gives no values: {fork}"):
-        train_gpt.parse_config([f"--resume={tmp_path / 'fork.pt'}", "--help"], {}, 1, False)
+            cfg.parse_config([f"--resume={tmp_path / 'fork.pt'}"] + argv, {}, 1, False)
+    with pytest.raises(cfg.HelpRequested, match=f"The --resume checkpoint gives no values: {fork}"):
+        cfg.parse_config([f"--resume={tmp_path / 'fork.pt'}", "--help"], {}, 1, False)
 
 
 def test_a_field_added_since_the_checkpoint_counts_at_its_default(single, tmp_path):
@@ -398,11 +401,11 @@ def test_a_field_added_since_the_checkpoint_counts_at_its_default(single, tmp_pa
     del checkpoint["config"]["normuon"], checkpoint["config"]["cautious_wd"]
     torch.save(checkpoint, tmp_path / "before_the_fork.pt")
     path = str(tmp_path / "before_the_fork.pt")
-    args = train_gpt.parse_config(single["argv"], {}, 1, False)
-    assert train_gpt.read_checkpoint(path, "resume", args)["step"] == N
-    args = train_gpt.parse_config(single["argv"] + ["--normuon=true"], {}, 1, False)
+    args = cfg.parse_config(single["argv"], {}, 1, False)
+    assert ckpt.read_checkpoint(path, "resume", args)["step"] == N
+    args = cfg.parse_config(single["argv"] + ["--normuon=true"], {}, 1, False)
     with pytest.raises(train_gpt.ConfigError, match="different configuration: normuon=False there, True here$"):
-        train_gpt.read_checkpoint(path, "resume", args)
+        ckpt.read_checkpoint(path, "resume", args)
 
 
 def test_a_resume_over_other_training_files_ends_in_one_line_naming_them(single, data, tmp_path, capsys):
@@ -424,7 +427,7 @@ def test_a_resume_over_other_training_files_ends_in_one_line_naming_them(single,
     assert not logs.exists()  # found while checking the data, before the log, compiling or warmup
     # a shard removed since: the position lies past the files there are
     with pytest.raises(train_gpt.DataError, match="training file 2 in name order, but here there are 1: the files"):
-        train_gpt.TrainBatches.check_position(dict(shard=1, file="c_train_000002.bin"), [added])
+        ckpt.check_position(dict(shard=1, file="c_train_000002.bin"), [added])
 
 
 def test_a_resume_reads_the_data_where_it_moved(single, data, tmp_path):
@@ -486,23 +489,24 @@ def test_the_fields_sample_takes_from_the_checkpoint_are_those_the_model_reads()
     args = Recording(train_gpt.Hyperparameters(**TINY))
     hw = train_gpt.Hardware(torch.device("cpu"), torch.float32, "sdpa", False, "torch", "gloo")
     model = train_gpt.GPT(args, hw).eval()
-    train_gpt.generate(model, args, [1, 2, 3], max_new_tokens=3)  # what --sample does with it
-    missing, unread = sorted(args.read - set(train_gpt.MODEL_FIELDS)), sorted(set(train_gpt.MODEL_FIELDS) - args.read)
-    assert (missing, unread) == ([], []), f"train_gpt.MODEL_FIELDS: add {missing}, remove {unread}"
+    sampling.generate(model, args, [1, 2, 3], max_new_tokens=3)  # what --sample does with it
+    missing, unread = sorted(args.read - set(sampling.MODEL_FIELDS)), sorted(set(sampling.MODEL_FIELDS) - args.read)
+    assert (missing, unread) == ([], []), f"sampling.MODEL_FIELDS: add {missing}, remove {unread}"
 
 
 def test_prompt_belongs_to_sample():
     for prompt in ("Hello", ""):  # set, even to nothing, is set: a training run would ignore it
         with pytest.raises(train_gpt.ConfigError, match=r"^--prompt: only --sample reads it \(--sample CHECKPOINT"):
-            train_gpt.parse_config(tiny_argv(prompt=prompt), {}, 1, False)
+            cfg.parse_config(tiny_argv(prompt=prompt), {}, 1, False)
     with pytest.raises(train_gpt.ConfigError, match="--sample and --resume: choose one"):
-        train_gpt.parse_config(tiny_argv(sample="a.pt", resume="a.pt"), {}, 1, False)
+        cfg.parse_config(tiny_argv(sample="a.pt", resume="a.pt"), {}, 1, False)
 
 
 EDIT_WHILE_TRAINING = """
 import glob, hashlib, sys
 sys.path.insert(0, sys.argv[1])
 import train_gpt
+from harness import checkpoints as ckpt
 started_with = open(train_gpt.__file__, "rb").read()
 write_header = train_gpt.log_header
 
@@ -513,7 +517,7 @@ def header_after_an_edit(*args, **kwargs):  # the user saves the next idea while
 train_gpt.log_header = header_after_an_edit
 assert train_gpt.main(sys.argv[2:-1]) == 0
 (log,) = glob.glob(sys.argv[-1] + "/*/*.txt")
-checkpoint = train_gpt.read_checkpoint(log[:-4] + ".pt", "resume")
+checkpoint = ckpt.read_checkpoint(log[:-4] + ".pt", "resume")
 print("edit in log:", "# saved while the run trained" in open(log).read())
 print("checkpoint names the code that ran:", checkpoint["code_sha256"] == hashlib.sha256(started_with).hexdigest())
 """
@@ -524,6 +528,7 @@ def test_an_edit_while_the_run_trains_is_not_taken_for_its_code(data, tmp_path):
     found it at start, not of an edit saved meanwhile (a resume would then not warn, and going
     back to the code that trained would warn falsely)."""
     shutil.copy(ROOT / "train_gpt.py", tmp_path / "train_gpt.py")
+    shutil.copytree(ROOT / "harness", tmp_path / "harness")
     logs = tmp_path / "logs"
     argv = tiny_argv(**data, num_iterations=2, val_every=0, save_checkpoint=True, log_dir=logs)
     done = subprocess.run([sys.executable, "-c", EDIT_WHILE_TRAINING, str(tmp_path), *argv, str(logs)],
@@ -536,12 +541,12 @@ def test_an_edit_while_the_run_trains_is_not_taken_for_its_code(data, tmp_path):
 def test_a_checkpoint_that_does_not_fit_the_code_is_refused(single):
     checkpoint = load(single["step3"])
     checkpoint["optimizer"]["tensors"].pop()  # as if the optimizer kept one tensor more now
-    args = train_gpt.parse_config(single["argv"], {}, 1, False)
+    args = cfg.parse_config(single["argv"], {}, 1, False)
     hw = train_gpt.Hardware.detect(args)
     model = train_gpt.GPT(args, hw)
     optimizer = train_gpt.ShardedMuonAdam(train_gpt.param_specs(model, args), args, train_gpt.Ranks(), hw)
-    with pytest.raises(train_gpt.CheckpointError, match="does not fit this model") as error:
-        train_gpt.restore_checkpoint(checkpoint, "x.pt", model, optimizer, train_gpt.Ranks(), hw, print)
+    with pytest.raises(ckpt.CheckpointError, match="does not fit this model") as error:
+        ckpt.restore_checkpoint(checkpoint, "x.pt", model, optimizer, train_gpt.Ranks(), hw, print)
     assert "\n" not in str(error.value)
 
 
@@ -550,13 +555,13 @@ def test_a_resume_with_another_cpu_thread_count_says_it_is_not_exact(single):
     resume runs (another machine, taskset), and the continuation is then close, not bit for bit."""
     checkpoint = load(single["step3"])
     assert checkpoint["threads"] == torch.get_num_threads()
-    args = train_gpt.parse_config(single["argv"], {}, 1, False)
+    args = cfg.parse_config(single["argv"], {}, 1, False)
     hw = train_gpt.Hardware.detect(args)
     for saved_with, warned in ((torch.get_num_threads(), False), (torch.get_num_threads() + 1, True)):
         model = train_gpt.GPT(args, hw)
         optimizer = train_gpt.ShardedMuonAdam(train_gpt.param_specs(model, args), args, train_gpt.Ranks(), hw)
         lines = []
-        train_gpt.restore_checkpoint(dict(checkpoint, threads=saved_with), "x.pt", model, optimizer,
+        ckpt.restore_checkpoint(dict(checkpoint, threads=saved_with), "x.pt", model, optimizer,
                                      train_gpt.Ranks(), hw, lines.append)
         warning = (f"warning: x.pt was trained with {saved_with} CPU threads, this run has {torch.get_num_threads()}; "
                    "its sums round in another order, so the continuation is close, not exact")
@@ -629,14 +634,14 @@ def test_the_ranks_copies_of_a_checkpoint_are_named_by_step(monkeypatch, identit
     monkeypatch.setattr(train_gpt.dist, "all_gather", gather)
     hw = train_gpt.Hardware.detect(train_gpt.Hyperparameters(device="cpu"))
     line = f"--resume='run.pt': the ranks hold different files at this path {named}: copy rank 0's to every machine"
-    for local_rank, kind in ((0, train_gpt.CheckpointError), (1, train_gpt.PeerDataError)):
+    for local_rank, kind in ((0, ckpt.CheckpointError), (1, launcher.PeerDataError)):
         ranks = train_gpt.Ranks(rank=local_rank, local_rank=local_rank, world_size=len(identities))
         with pytest.raises(kind) as error:
-            train_gpt.check_ranks_hold_one_checkpoint("run.pt", identities[0], ranks, hw)
+            ckpt.check_ranks_hold_one_checkpoint("run.pt", identities[0], ranks, hw)
         assert str(error.value) == line and type(error.value) is kind
     ranks = train_gpt.Ranks(world_size=len(identities))
     monkeypatch.setattr(train_gpt.dist, "all_gather", lambda every, held: [t.copy_(held) for t in every])
-    train_gpt.check_ranks_hold_one_checkpoint("run.pt", identities[0], ranks, hw)   # one file: no error
+    ckpt.check_ranks_hold_one_checkpoint("run.pt", identities[0], ranks, hw)   # one file: no error
 
 
 def crash_on_save(obj, f):
@@ -669,15 +674,15 @@ def test_a_crash_while_writing_leaves_no_checkpoint(tmp_path, monkeypatch):
     path = tmp_path / "run.pt"
     monkeypatch.setattr(torch, "save", crash_on_save)
     with pytest.raises(OSError):
-        train_gpt.write_atomically({"step": 2}, str(path))
+        ckpt.write_atomically({"step": 2}, str(path))
     assert list(tmp_path.iterdir()) == []  # no .pt, and the temporary file is removed
     # a process killed mid-write leaves only its hidden temporary file, and an older checkpoint intact
     monkeypatch.undo()
-    train_gpt.write_atomically({"step": 1}, str(path))
+    ckpt.write_atomically({"step": 1}, str(path))
     before = path.read_bytes()
-    code = ("import os, sys, torch, train_gpt\n"
+    code = ("import os, sys, torch\nfrom harness import checkpoints\n"
             "def killed(obj, f):\n    f.write(b'PK' * 1000); f.flush(); os._exit(9)\n"
-            "torch.save = killed\ntrain_gpt.write_atomically({'step': 2}, sys.argv[1])\n")
+            "torch.save = killed\ncheckpoints.write_atomically({'step': 2}, sys.argv[1])\n")
     proc = subprocess.run([sys.executable, "-c", code, str(path)], cwd=ROOT, capture_output=True, timeout=120)
     assert proc.returncode == 9, proc.stderr[-2000:]
     assert sorted(p.name for p in tmp_path.glob("*.pt")) == ["run.pt"] and path.read_bytes() == before
@@ -694,10 +699,10 @@ def test_a_crash_while_writing_leaves_no_checkpoint(tmp_path, monkeypatch):
     lines = []
     with open(in_another_container, "rb") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
-        train_gpt.remove_killed_writes(str(tmp_path), lines.append)
+        ckpt.remove_killed_writes(str(tmp_path), lines.append)
     assert not killed.exists() and all(p.exists() for p in kept) and in_another_container.exists()
     assert lines == [f"removed {killed} (0.0 MiB): a checkpoint write that was killed left it"]
-    train_gpt.remove_killed_writes(str(path), lines.append)  # run.pt, not a folder: nothing to do, no error
+    ckpt.remove_killed_writes(str(path), lines.append)  # run.pt, not a folder: nothing to do, no error
     assert len(lines) == 1
 
 
@@ -714,9 +719,9 @@ def test_a_write_in_progress_is_not_removed_even_where_its_pid_looks_dead(tmp_pa
 
     def save_while_another_run_cleans(obj, f):
         real_save(obj, f)
-        train_gpt.remove_killed_writes(str(tmp_path), lines.append)
+        ckpt.remove_killed_writes(str(tmp_path), lines.append)
     monkeypatch.setattr(torch, "save", save_while_another_run_cleans)
-    train_gpt.write_atomically({"step": 1}, str(tmp_path / "run.pt"))
+    ckpt.write_atomically({"step": 1}, str(tmp_path / "run.pt"))
     assert lines == [] and load(tmp_path / "run.pt") == {"step": 1} and os.listdir(tmp_path) == ["run.pt"]
 
 
@@ -724,7 +729,7 @@ def test_killed_writes_of_another_users_live_process_or_another_machine_are_kept
     """os.kill(pid, 0) on another user's process fails with EPERM: it lives, its file stays. The
     machine's name is written so the pattern can read it back (a dotted or odd hostname)."""
     monkeypatch.setattr(train_gpt.platform, "node", lambda: "gpu-7.cluster_a")
-    assert train_gpt.machine_tag() == "gpu-7-cluster-a"
+    assert ckpt.machine_tag() == "gpu-7-cluster-a"
     leftover = killed_write_leftover(tmp_path, "run.pt", pid=1)   # pid 1 lives
     other = killed_write_leftover(tmp_path, "run.pt", machine="gpu-7-cluster-b")
 
@@ -732,10 +737,10 @@ def test_killed_writes_of_another_users_live_process_or_another_machine_are_kept
         raise PermissionError(errno.EPERM, "Operation not permitted")
     monkeypatch.setattr(os, "kill", not_permitted)
     lines = []
-    train_gpt.remove_killed_writes(str(tmp_path), lines.append)
+    ckpt.remove_killed_writes(str(tmp_path), lines.append)
     assert lines == [] and leftover.exists() and other.exists()
     monkeypatch.setattr(os, "kill", no_such_process)
-    train_gpt.remove_killed_writes(str(tmp_path), lines.append)
+    ckpt.remove_killed_writes(str(tmp_path), lines.append)
     assert not leftover.exists() and other.exists() and len(lines) == 1
 
 
@@ -771,9 +776,9 @@ def test_a_full_disk_at_the_end_still_ends_in_one_line_and_a_complete_log(data, 
 
 def test_checkpoint_options_are_checked():
     with pytest.raises(train_gpt.ConfigError, match="--checkpoint_every=5: needs --save_checkpoint true"):
-        train_gpt.parse_config(tiny_argv(checkpoint_every=5), {}, 1, False)
+        cfg.parse_config(tiny_argv(checkpoint_every=5), {}, 1, False)
     with pytest.raises(train_gpt.ConfigError, match="--top_k=-1: must not be negative"):
-        train_gpt.parse_config(tiny_argv(top_k=-1), {}, 1, False)
+        cfg.parse_config(tiny_argv(top_k=-1), {}, 1, False)
 
 
 # --- sampling -------------------------------------------------------------------------------------
@@ -838,14 +843,14 @@ def test_a_model_option_that_also_fails_its_own_check_is_named_against_the_check
 
 
 def test_sampling_from_an_untrained_model_runs():
-    args = train_gpt.parse_config(tiny_argv(), {}, 1, False)
+    args = cfg.parse_config(tiny_argv(), {}, 1, False)
     hw = train_gpt.Hardware.detect(args)
     torch.manual_seed(0)
     model = train_gpt.GPT(args, hw).eval()
-    new = train_gpt.generate(model, args, [464, 2068], 20, seed=0)
+    new = sampling.generate(model, args, [464, 2068], 20, seed=0)
     assert len(new) == 20 and all(0 <= t < train_gpt.BOS_TOKEN for t in new)
     # a prompt longer than the model's context (train_seq_len 128) is cut to its last tokens
-    assert len(train_gpt.generate(model, args, list(range(1, 300)), 3, seed=0)) == 3
+    assert len(sampling.generate(model, args, list(range(1, 300)), 3, seed=0)) == 3
 
 
 def greedy_tokens(model, args, prompt, count, step):
@@ -866,7 +871,7 @@ def test_greedy_sampling_takes_the_training_models_most_likely_token(single):
     model = train_gpt.GPT(args, train_gpt.Hardware.detect(args)).eval()
     model.load_state_dict(checkpoint["model"])
     prompt = [464, 2068, 7586, train_gpt.BOS_TOKEN, 464, 318]  # a BOS starts a new document, as in training
-    new = train_gpt.generate(model, args, prompt, 4, temperature=0)
+    new = sampling.generate(model, args, prompt, 4, temperature=0)
     assert new == greedy_tokens(model, args, prompt, 4, args.num_iterations)
 
 
@@ -885,12 +890,12 @@ def test_sampling_a_periodic_checkpoint_uses_the_window_it_was_trained_with(sing
     torch.save(checkpoint, tmp_path / "moved.pt")
     model = train_gpt.GPT(args, train_gpt.Hardware.detect(args)).eval()
     model.load_state_dict(checkpoint["model"])
-    encoding = train_gpt.gpt2_encoding()
+    encoding = sampling.gpt2_encoding()
     prompt_text = " ".join(f"item {i} of the list," for i in range(14))  # over 2 blocks of 32 tokens
     prompt = encoding.encode_ordinary(prompt_text)
     assert 2 * args.attn_block_size < len(prompt) + 1 < args.train_seq_len - 12
-    at_its_step = train_gpt.generate(model, args, prompt, 12, step=N, seed=1)
-    assert at_its_step != train_gpt.generate(model, args, prompt, 12, seed=1)  # the window matters here
+    at_its_step = sampling.generate(model, args, prompt, 12, step=N, seed=1)
+    assert at_its_step != sampling.generate(model, args, prompt, 12, seed=1)  # the window matters here
     out = sample(capsys, tmp_path / "moved.pt", "--prompt", prompt_text, "--seed", "1")
     assert out == encoding.decode(at_its_step) + "\n"
 
@@ -900,7 +905,7 @@ def test_sampling_prints_each_token_as_drawn_and_keeps_them_on_ctrl_c(single, ca
     comes token by token (whole characters), and Ctrl-C ends with what was drawn and one line."""
     path = single["step3"]
     whole = sample(capsys, path, "--prompt", "The", "--seed", "3")
-    drawn, generate = [], train_gpt.generate
+    drawn, generate = [], sampling.generate
 
     def ctrl_c_after_5(*args, on_token, **kwargs):
         def count(token):
@@ -909,7 +914,7 @@ def test_sampling_prints_each_token_as_drawn_and_keeps_them_on_ctrl_c(single, ca
             if len(drawn) == 5:
                 raise KeyboardInterrupt
         return generate(*args, on_token=count, **kwargs)
-    monkeypatch.setattr(train_gpt, "generate", ctrl_c_after_5)
+    monkeypatch.setattr(sampling, "generate", ctrl_c_after_5)
     assert train_gpt.main(["--sample", str(path), "--max_new_tokens", "12", "--prompt", "The", "--seed", "3"],
                           {}) == 128 + signal.SIGINT
     out, err = capsys.readouterr()
@@ -926,7 +931,8 @@ import os, signal, sys
 sys.path.insert(0, {str(ROOT)!r})
 signal.signal(signal.SIGINT, signal.SIG_DFL)  # as `python3 train_gpt.py` starts
 import train_gpt
-generate = train_gpt.generate
+from harness import sample as sampling
+generate = sampling.generate
 def ctrl_c_after_4(*args, on_token, **kwargs):
     def count(token, drawn=[]):
         on_token(token)
@@ -934,7 +940,7 @@ def ctrl_c_after_4(*args, on_token, **kwargs):
         if len(drawn) == 4:
             os.kill(os.getpid(), signal.SIGINT)
     return generate(*args, on_token=count, **kwargs)
-train_gpt.generate = ctrl_c_after_4
+sampling.generate = ctrl_c_after_4
 sys.exit(train_gpt.main(["--sample", {str(single["step3"])!r}, "--max_new_tokens", "50", "--seed", "3"]))
 """
     done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300)

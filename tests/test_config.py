@@ -8,11 +8,12 @@ import sys
 import pytest
 
 import train_gpt
+from harness import config as cfg
 from conftest import ROOT
 
 
 def parse(argv=(), environ=None, world_size=1, cuda=False):
-    return train_gpt.parse_config(list(argv), environ or {}, world_size, cuda)
+    return cfg.parse_config(list(argv), environ or {}, world_size, cuda)
 
 
 def test_default_preset_follows_the_hardware():
@@ -48,7 +49,7 @@ def test_a_boolean_alone_switches_it_on():
     assert (args.normuon, args.seed, args.cautious_wd) == (True, 1, True)
     assert parse(["--normuon", "false"]).normuon is False
     assert parse(["--seed", "-1", "--ns_coeffs", "-1,2,3"]).seed == -1  # a value may start with one dash
-    with pytest.raises(train_gpt.HelpRequested):
+    with pytest.raises(cfg.HelpRequested):
         parse(["--normuon", "-h"])  # help, not normuon='-h'
 
 
@@ -138,7 +139,7 @@ def test_script_exit_status_and_single_line(tmp_path):
 
 
 def help_text(argv, environ=None, cuda=False):
-    with pytest.raises(train_gpt.HelpRequested) as help_info:
+    with pytest.raises(cfg.HelpRequested) as help_info:
         parse(argv, environ, cuda=cuda)
     return str(help_info.value).splitlines()
 
@@ -187,6 +188,7 @@ def test_help_says_when_the_cpu_preset_reads_the_embedded_sample(monkeypatch):
         assert not any("data/sample/" in line for line in lines)
 
 
+@pytest.mark.slow
 def test_script_help_exits_0(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "train_gpt.py"), "--preset", "cpu", "--help"], cwd=tmp_path,
                           capture_output=True, text=True, timeout=120)
@@ -243,7 +245,7 @@ def test_a_variable_that_nearly_names_a_field_is_said_to_be_ignored(tmp_path, ca
     """NUM_ITERATION=5 (a letter short) was ignored in silence; now a line says so, before
     anything else (here the log folder then fails; also before --help). Common variables never
     match."""
-    assert train_gpt.near_misses_in_environment({name: "1" for name in COMMON_VARIABLES}) == []
+    assert cfg.near_misses_in_environment({name: "1" for name in COMMON_VARIABLES}) == []
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
     environ = {"NUM_ITERATION": "5", "MICRO_BATCH": "2", "PATH": "/bin", "OMP_NUM_THREADS": "1", "SEED": "3",
@@ -266,7 +268,7 @@ def test_unwritable_log_dir_is_rejected_before_any_work(tmp_path, capsys):
     assert err == [f"train_gpt.py: error: --log_dir='{blocker / 'records'}': cannot create the folder {folder!r} "
                    "(Not a directory)"]
     # a folder that does not exist yet but can be created is fine
-    train_gpt.check_log_dir(train_gpt.Hyperparameters(log_dir=str(tmp_path / "new" / "records")))
+    cfg.check_log_dir(train_gpt.Hyperparameters(log_dir=str(tmp_path / "new" / "records")))
 
 
 def test_ns_coeffs_parse():

@@ -30,6 +30,8 @@ import fineweb  # noqa: E402
 import shards  # noqa: E402
 from shards import BOS, HEADER_BYTES, ShardError, read_header, read_shard, write_shard  # noqa: E402
 
+pytestmark = pytest.mark.slow  # launches fresh processes: the full suite only (README, Test)
+
 
 def header_bytes(magic=shards.MAGIC, version=shards.VERSION, count=0):
     header = np.zeros(shards.HEADER_INTS, dtype="<i4")
@@ -138,7 +140,7 @@ def test_out_of_range_token_is_reported(tmp_path):
 
 @pytest.fixture(scope="module")
 def gpt2(tmp_path_factory):
-    """The repository's GPT-2 encoding (train_gpt.gpt2_encoding, through data/fineweb.py); any
+    """The repository's GPT-2 encoding (harness/sample.py's gpt2_encoding, through data/fineweb.py); any
     file tiktoken caches goes to a temporary folder, not the user's cache."""
     if importlib.util.find_spec("tiktoken") is None:
         pytest.skip("tiktoken is not installed")
@@ -587,7 +589,7 @@ import itertools, signal, sys
 signal.signal(signal.SIGINT, signal.default_int_handler)  # started in the background: Python left it ignored
 sys.path.insert(0, {data!r})
 import fineweb
-fineweb.get_gpt2_encoding = lambda: __import__("train_gpt").gpt2_encoding()
+fineweb.get_gpt2_encoding = lambda: __import__("harness.sample", fromlist=["sample"]).gpt2_encoding()
 fineweb.list_fineweb_files = lambda version: ["raw.parquet"]
 fineweb.iter_fineweb_documents = lambda *a, **k: (f"Document {{i}}: the quick brown fox." for i in itertools.count())
 fineweb.main(["--out", {out!r}, "--shard-size", "5000", "--workers", "2"])
@@ -622,7 +624,7 @@ POOL_STUCK = """
 import itertools, os, sys, time
 sys.path.insert(0, {data!r})
 import fineweb
-fineweb.get_gpt2_encoding = lambda: __import__("train_gpt").gpt2_encoding()
+fineweb.get_gpt2_encoding = lambda: __import__("harness.sample", fromlist=["sample"]).gpt2_encoding()
 fineweb.list_fineweb_files = lambda version: ["raw.parquet"]
 documents = ("STUCK" if i == 3000 else f"Document {{i}}: the quick brown fox." for i in itertools.count())
 fineweb.iter_fineweb_documents = lambda *a, **k: documents

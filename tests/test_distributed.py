@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import train_gpt
+from harness import checkpoints as ckpt, config as cfg, launch as launcher
 from conftest import tiny_argv
 
 # 12 micro-batches per step divide by 1, 2, 3 and 4; vocab 50305 rows do not divide by 2, 3 or 4,
@@ -57,7 +58,7 @@ def train_worker(rank, world_size, port, argv, out_path, overlap, compiled_adam=
         compile_adam = train_gpt.ShardedMuonAdam.compile_adam
         train_gpt.ShardedMuonAdam.compile_adam = lambda self: compile_adam(self, backend="aot_eager")
         argv = argv + ["--compile_adam=true"]
-    args = train_gpt.parse_config(argv + [f"--overlap_comms={overlap}"], {}, world_size, False)
+    args = cfg.parse_config(argv + [f"--overlap_comms={overlap}"], {}, world_size, False)
     ranks = train_gpt.Ranks.from_env(os.environ)
     hw = train_gpt.Hardware.detect(args)
     train_gpt.init_process_group(args, ranks, hw)
@@ -108,7 +109,7 @@ def run_world(world_size, argv, tmp_path, overlap=True, compiled_adam=False):
     out = tmp_path / f"ws{world_size}_{overlap}_{compiled_adam}.pt"
     if world_size == 1:
         # A single process with no process group: exactly how `python train_gpt.py` runs.
-        args = train_gpt.parse_config(argv + [f"--overlap_comms={overlap}"], {}, 1, False)
+        args = cfg.parse_config(argv + [f"--overlap_comms={overlap}"], {}, 1, False)
         comm = NoCollectives(1)
         states = {}
 
@@ -169,7 +170,7 @@ LOSS_RTOL = 1e-5
 
 def movement_bounds(argv):
     """name -> steps x learning rate of that parameter, from the trainer's own optimizer split."""
-    args = train_gpt.parse_config(argv, {}, 1, False)
+    args = cfg.parse_config(argv, {}, 1, False)
     model = train_gpt.GPT(args, train_gpt.Hardware.detect(args))
     bounds = {}
     for spec in train_gpt.param_specs(model, args):
@@ -286,6 +287,7 @@ SPEEDRUN_LAYOUT = dict(EQUIVALENCE, micro_batches=8, num_iterations=4, num_layer
                        num_value_embeds=3, window_pattern="LSSSLSSLSSSL", muon_bucket_matrices=8, vocab_size=50304)
 
 
+@pytest.mark.slow
 def test_eight_ranks_train_the_speedrun_layout_as_one_process_does(tmp_path):
     from conftest import synthetic_documents
     import numpy as np
@@ -339,6 +341,7 @@ def launch_main(tmp_path, argv_per_rank, world_size, worker=main_worker):
     return [(int(code), err.strip()) for code, err in outputs], time.time() - start
 
 
+@pytest.mark.slow
 def test_inconsistent_launch_fails_fast(tmp_path, make_shards):
     train_glob, val_glob, _ = make_shards()
     base = tiny_argv(train_files=train_glob, val_files=val_glob, log_dir=tmp_path / "logs", micro_batches=2,
@@ -365,6 +368,7 @@ def unreadable_shard_worker(bad_ranks, rank, *args, error=train_gpt.DataError):
     main_worker(rank, *args)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bad_ranks, prefix", [((1,), "rank 1: "), ((0, 1), "")])
 def test_data_file_failing_before_training_ends_every_rank_with_one_line(tmp_path, make_shards, bad_ranks, prefix):
     """Ranks read the data themselves: where one alone fails (local rank 1 here) it names the file
@@ -388,27 +392,28 @@ def unreadable_checkpoint_worker(rank, *args):
     """main_worker; on rank 1 the checkpoint reads once, for main()'s check, and then fails (a flaky
     network filesystem)."""
     if rank == 1:
-        read, calls = train_gpt.read_checkpoint, []
+        read, calls = ckpt.read_checkpoint, []
 
         def flaky_read(path, option, *a, **kw):
             calls.append(path)
             if len(calls) > 1:
                 raise train_gpt.ConfigError(f"--{option}={path!r}: cannot read (Input/output error)")
             return read(path, option, *a, **kw)
-        train_gpt.read_checkpoint = flaky_read  # a spawned process: nothing else sees this
+        ckpt.read_checkpoint = flaky_read  # a spawned process: nothing else sees this
     main_worker(rank, *args)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_failing_on_one_rank_at_set_up_ends_every_rank_with_one_line(tmp_path, make_shards):
     train_glob, val_glob, _ = make_shards()
     config = dict(train_files=train_glob, val_files=val_glob, micro_batches=2, val_every=0)
-    args = train_gpt.parse_config(tiny_argv(**config, log_dir=tmp_path / "first", save_checkpoint=True,
+    args = cfg.parse_config(tiny_argv(**config, log_dir=tmp_path / "first", save_checkpoint=True,
                                             checkpoint_every=2), {}, 1, False)
     log, saved = train_gpt.RunLog(args, train_gpt.Ranks(), echo=False), tmp_path / "step2.pt"
 
     def keep_step_2(step, model, optimizer):
         if step == 2:
-            shutil.copyfile(train_gpt.checkpoint_path_of(log), saved)
+            shutil.copyfile(ckpt.checkpoint_path_of(log), saved)
     train_gpt.train(args, train_gpt.Ranks(), train_gpt.Hardware.detect(args), log, on_step=keep_step_2)
     argv = tiny_argv(**config, log_dir=tmp_path / "logs", resume=saved, dist_timeout_s=60)
     results, elapsed = launch_main(tmp_path, [argv, argv], world_size=2, worker=unreadable_checkpoint_worker)
@@ -424,6 +429,7 @@ def interrupt_self(message):
     os.kill(os.getpid(), signal.SIGINT)
 
 
+@pytest.mark.slow
 def test_a_signal_while_every_rank_reads_data_ends_each_as_signalled(tmp_path, make_shards):
     train_glob, val_glob, _ = make_shards()
     argv = tiny_argv(train_files=train_glob, val_files=val_glob, log_dir=tmp_path / "logs", micro_batches=2,
@@ -436,6 +442,7 @@ def test_a_signal_while_every_rank_reads_data_ends_each_as_signalled(tmp_path, m
     assert (tmp_path / "rank1.stdout").read_text() == ""  # one report, as for a bad option
 
 
+@pytest.mark.slow
 def test_a_signal_reaching_one_rank_in_set_up_is_reported_by_that_rank(tmp_path, make_shards):
     """kill -INT of one rank's process while it reads the data: it names itself; the rank it stops
     ends quietly and at once (it once ended quietly too, and nothing said why)."""
@@ -450,6 +457,7 @@ def test_a_signal_reaching_one_rank_in_set_up_is_reported_by_that_rank(tmp_path,
     assert (tmp_path / "rank1.stdout").read_text().startswith("rank 1: interrupted at step 0/3 (SIGINT)\n")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bad_ranks, prefix", [((1,), "rank 1: "), ((0, 1), "")])
 def test_any_failure_while_reading_data_on_one_rank_ends_the_others_at_once(tmp_path, make_shards, bad_ranks, prefix):
     """Not only DataErrors: an error main() does not expect (out of memory) still reaches the
@@ -472,6 +480,7 @@ def test_any_failure_while_reading_data_on_one_rank_ends_the_others_at_once(tmp_
     assert not (tmp_path / "logs").exists()
 
 
+@pytest.mark.slow
 def test_missing_rank_times_out_with_a_message(tmp_path, make_shards):
     train_glob, val_glob, _ = make_shards()
     argv = tiny_argv(train_files=train_glob, val_files=val_glob, micro_batches=2, dist_timeout_s=3)
@@ -481,6 +490,7 @@ def test_missing_rank_times_out_with_a_message(tmp_path, make_shards):
     assert elapsed < 60
 
 
+@pytest.mark.slow
 def test_store_that_closes_is_not_called_a_timeout(monkeypatch):
     """Under torchrun the store lives in the launcher of the first machine: when that machine
     stops, the others fail at once, and their line must not send the user to --dist_timeout_s."""
@@ -496,10 +506,10 @@ def test_store_that_closes_is_not_called_a_timeout(monkeypatch):
     assert host.stdout.readline().strip() == "up"
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(port))
-    args = train_gpt.parse_config(["--micro_batches=2", "--dist_timeout_s=60"], {}, world_size=2, cuda_available=False)
+    args = cfg.parse_config(["--micro_batches=2", "--dist_timeout_s=60"], {}, world_size=2, cuda_available=False)
     started = time.time()
-    with pytest.raises(train_gpt.RankMismatch) as failure:
-        train_gpt.init_process_group(args, train_gpt.Ranks(1, 1, 2, 2), train_gpt.Hardware.detect(args))
+    with pytest.raises(launcher.RankMismatch) as failure:
+        launcher.join(args, train_gpt.Ranks(1, 1, 2, 2), train_gpt.Hardware.detect(args))
     host.wait(timeout=60)
     assert time.time() - started < 30 and not dist.is_initialized()
     message = str(failure.value)
@@ -507,6 +517,7 @@ def test_store_that_closes_is_not_called_a_timeout(monkeypatch):
     assert "before --dist_timeout_s=60 ran out (" in message and "within" not in message
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_signal_while_waiting_for_the_other_ranks_acts_at_once(tmp_path, signum):
     """Joining is one C++ wait, in which Python's handlers cannot run: a signal used to act only
@@ -534,6 +545,7 @@ def test_signal_while_waiting_for_the_other_ranks_acts_at_once(tmp_path, signum)
     assert out == "" and not (tmp_path / "logs").exists()
 
 
+@pytest.mark.slow
 def test_torchrun_launch_on_cpu(tmp_path, make_shards):
     """The real launcher: torchrun with 2 processes trains with gloo and rank 0 writes the log."""
     import subprocess

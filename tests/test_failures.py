@@ -2,6 +2,7 @@
 divergence, SIGINT/SIGTERM (one process and a torchrun group), a log that cannot be written."""
 
 import errno
+import math
 import os
 import re
 import signal
@@ -15,7 +16,10 @@ import pytest
 import torch
 
 import train_gpt
-from conftest import ROOT, TINY, sigint_as_at_a_terminal, tiny_argv
+from harness import checkpoints as ckpt, config as cfg, launch as launcher
+from conftest import ROOT, TINY, before_summary, sigint_as_at_a_terminal, tiny_argv
+
+pytestmark = pytest.mark.slow  # launches fresh processes: the full suite only (README, Test)
 
 PEAK = re.compile(r"^peak memory allocated: \d+ MiB reserved: \d+ MiB$")
 
@@ -32,7 +36,7 @@ def poisoned_run(make_shards, at_step, **overrides):
     """In-process training whose weights become nan after step at_step (a stand-in for divergence)."""
     train_glob, val_glob, _ = make_shards()
     args = train_gpt.Hyperparameters(**dict(TINY, train_files=train_glob, val_files=val_glob, **overrides))
-    train_gpt.check_config(args, 1, False)
+    cfg.check_config(args, 1, False)
     lines = []
 
     def poison(step, model, optimizer):
@@ -79,6 +83,26 @@ def test_nonfinite_val_loss_stops_the_run(make_shards):
     assert lines[-3].startswith("step:2/12 val_loss:nan") and PEAK.match(lines[-1])
 
 
+def test_a_val_loss_above_step_0s_stops_the_run_as_diverged(make_shards):
+    """`./run.sh --num_iterations 30 --adam_lr 1e10` ended at val loss 22.11 with exit 0: a finite
+    val loss above the untrained model's (step 0: ln(vocab), the head starts at zero) is divergence."""
+    def blow_up(step, model, optimizer):  # logits far from uniform: the loss climbs, finite (soft cap)
+        if step == 3:
+            with torch.no_grad():
+                model.lm_head_w.normal_(0, 10, generator=torch.Generator().manual_seed(0))
+    train_glob, val_glob, _ = make_shards()
+    args = train_gpt.Hyperparameters(**dict(TINY, train_files=train_glob, val_files=val_glob, num_iterations=8,
+                                            val_every=2))
+    lines = []
+    result = train_gpt.train(args, train_gpt.Ranks(), train_gpt.Hardware.detect(args),
+                             lambda text, console=True: lines.append(text), on_step=blow_up)
+    (_, first), (_, second), (_, third) = result.val_losses
+    assert second < first < third and math.isfinite(third)
+    assert result.failure == f"diverged at step 4/8: val_loss is {third:.4f}, above step 0's {first:.4f}"
+    assert result.exit_code == train_gpt.EXIT_DIVERGED and result.steps_done == 4
+    assert lines[-2] == result.failure and PEAK.match(lines[-1])
+
+
 def test_nonfinite_train_loss_is_found_before_a_validation_not_by_it(make_shards):
     """A validation step that is no check step (the speedrun's 125 and 10) checks the losses first:
     a diverged model's validation would cost 10M tokens and name a later step."""
@@ -119,7 +143,7 @@ def test_diverged_run_exits_4_with_one_line_and_a_complete_log(tmp_path, make_sh
     body = only_log(log_dir).splitlines()
     assert body[-2] == "diverged at step 2/20: train loss is nan (stopped at step 5)"
     assert PEAK.match(body[-1])
-    assert capsys.readouterr().out.splitlines()[-2:] == body[-2:]
+    assert before_summary(capsys.readouterr().out)[-2:] == body[-2:]
     assert signal.getsignal(signal.SIGINT) is handler_before  # main() put the caller's handler back
 
 
@@ -147,7 +171,7 @@ def test_exception_late_in_training_ends_in_one_line_and_a_complete_log(tmp_path
     out, err = capsys.readouterr()
     path = next(log_dir.glob("*/*.txt"))
     assert err == f"train_gpt.py: error: {body[-2]} (traceback in {path})\n"
-    assert out.splitlines()[-1] == body[-1] and "Traceback" not in out
+    assert before_summary(out)[-1] == body[-1] and "Traceback" not in out
 
 
 def test_a_bug_found_in_warmup_ends_in_one_line_and_a_complete_log(tmp_path, make_shards, monkeypatch, capsys):
@@ -179,7 +203,7 @@ def test_a_signal_the_compiler_wraps_in_warmup_is_still_an_interruption(tmp_path
         try:
             os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C: main()'s handler raises Interrupted here
             time.sleep(5)
-        except train_gpt.Interrupted as e:
+        except launcher.Interrupted as e:
             raise RuntimeError("the compiler's own error") from e
     monkeypatch.setattr(train_gpt.MLP, "forward", forward_compiling)
     argv = tiny_argv(train_files=train_glob, val_files=val_glob, log_dir=log_dir, warmup_steps=2)
@@ -212,7 +236,7 @@ def test_bad_shard_found_by_one_rank_in_the_loop_is_named_by_that_rank(make_shar
     train_glob, val_glob, _ = make_shards()
     args = train_gpt.Hyperparameters(**dict(TINY, train_files=train_glob, val_files=val_glob, num_iterations=8,
                                             val_every=0, micro_batches=2))
-    train_gpt.check_config(args, 2, False)
+    cfg.check_config(args, 2, False)
     collectives, at_failure = [], []
 
     def unreadable(self, device):
@@ -293,7 +317,7 @@ def test_crash_without_a_log_file_prints_its_traceback(make_shards, capsys):
     train_glob, val_glob, _ = make_shards()
     args = train_gpt.Hyperparameters(**dict(TINY, train_files=train_glob, val_files=val_glob, num_iterations=8,
                                             val_every=0))
-    train_gpt.check_config(args, 1, False)
+    cfg.check_config(args, 1, False)
 
     def bug(step, model, optimizer):
         if step == 2:
@@ -352,7 +376,7 @@ def test_signal_ends_the_run_with_one_line(tmp_path, make_shards, signum, wait_f
     assert proc.returncode == 128 + signum, err[-3000:]
     assert err == ""  # no traceback
     name = signal.Signals(signum).name
-    last = out.strip().splitlines()[-2:]
+    last = before_summary(out)[-2:]
     assert re.fullmatch(rf"interrupted at step {step}/1000 \({name}\)", last[0]) and PEAK.match(last[1])
     assert only_log(log_dir).splitlines()[-2:] == last
 
@@ -433,8 +457,8 @@ def test_ctrl_c_that_also_ends_a_tee_still_ends_in_one_line_and_a_complete_log(t
 def test_a_rank_dies_with_its_launcher(tmp_path):
     """torchrun killed (or ended by a third Ctrl-C, which no longer waits for its processes) must
     not leave its ranks holding their GPUs."""
-    rank = ("import sys, time; sys.path.insert(0, sys.argv[1]); import train_gpt; "
-            "train_gpt.die_with_the_launcher({'TORCHELASTIC_RUN_ID': 'x'}); print('ready', flush=True); time.sleep(60)")
+    rank = ("import sys, time; sys.path.insert(0, sys.argv[1]); from harness import launch; "
+            "launch.die_with_the_launcher({'TORCHELASTIC_RUN_ID': 'x'}); print('ready', flush=True); time.sleep(60)")
     launcher = ("import subprocess, sys, time; "
                 f"child = subprocess.Popen([sys.executable, '-c', {rank!r}, {str(ROOT)!r}]); "
                 "print(child.pid, flush=True); time.sleep(60)")
@@ -466,7 +490,7 @@ def test_interrupting_a_torchrun_group_stops_every_rank_at_the_same_step(tmp_pat
         os.killpg(proc.pid, 0)
     last = only_log(log_dir).splitlines()[-2:]
     assert re.fullmatch(r"interrupted at step \d*[02468]/1000 \(SIGINT\)", last[0]) and PEAK.match(last[1])
-    assert out.strip().splitlines()[-2:] == last
+    assert before_summary(out)[-2:] == last
 
 
 def test_interrupting_a_torchrun_group_during_warmup_reports_once(tmp_path, make_shards):
@@ -507,7 +531,7 @@ def signalled_in_process(tmp_path, make_shards, monkeypatch, where, call, pause_
     the log's lines."""
     train_glob, val_glob, _ = make_shards()
     log_dir = tmp_path / "records"
-    monkeypatch.setattr(train_gpt.StopSignals, "FORWARDED_WITHIN_S", 0.2)
+    monkeypatch.setattr(launcher.StopSignals, "FORWARDED_WITHIN_S", 0.2)
     original = getattr(train_gpt, where)
     calls = []
 
@@ -536,7 +560,7 @@ def test_ctrl_c_is_acknowledged_at_once_and_a_second_one_stops_the_step(tmp_path
     assert err == ""  # no traceback
     lines = out.splitlines()
     notice = lines.index("SIGINT: the run stops after this step (SIGINT again to stop at once)")
-    assert lines[notice - 1].startswith("step:2/20 train_time") and lines[-2:] == body[-2:]
+    assert lines[notice - 1].startswith("step:2/20 train_time") and before_summary(out)[-2:] == body[-2:]
 
 
 def test_a_signal_passed_on_by_a_launcher_is_not_a_second_one(tmp_path, make_shards, monkeypatch, capfd):
@@ -572,7 +596,7 @@ def test_insisting_once_more_takes_the_signals_default_action(monkeypatch, phase
     done = []
     monkeypatch.setattr(train_gpt.signal, "signal", lambda signum, handler: done.append(("handler", signum, handler)))
     monkeypatch.setattr(train_gpt.os, "kill", lambda pid, signum: done.append(("kill", pid, signum)))
-    stop = train_gpt.StopSignals(announce=False)
+    stop = launcher.StopSignals(announce=False)
     stop.phase, stop.signum, stop.repeat = phase, signal.SIGINT, repeat
     stop(signal.SIGINT, None)
     assert done == [("handler", signal.SIGINT, signal.SIG_DFL), ("kill", os.getpid(), signal.SIGINT)]
@@ -584,10 +608,10 @@ def test_a_copy_of_the_second_signal_is_not_a_third(monkeypatch):
     done = []
     monkeypatch.setattr(train_gpt.signal, "signal", lambda signum, handler: done.append(("handler", signum, handler)))
     monkeypatch.setattr(train_gpt.os, "kill", lambda pid, signum: done.append(("kill", pid, signum)))
-    stop = train_gpt.StopSignals(announce=False)
+    stop = launcher.StopSignals(announce=False)
     stop.phase, stop.until_text = "loop", "stops after this step"
     stop(signal.SIGINT, None)
-    with pytest.raises(train_gpt.Interrupted):
+    with pytest.raises(launcher.Interrupted):
         stop(signal.SIGTERM, None)
     stop(signal.SIGTERM, None)  # within FORWARDED_WITHIN_S: ignored, no default action
     assert done == []
@@ -632,13 +656,13 @@ def test_a_crash_leaves_the_group_as_an_unclean_one(tmp_path, make_shards, monke
 
 def test_a_signal_while_a_checkpoint_is_read_is_no_damaged_checkpoint(tmp_path, monkeypatch):
     """--resume reads the checkpoint again in set-up, where Ctrl-C raises inside torch.load."""
-    torch.save({"format": train_gpt.CHECKPOINT_FORMAT}, tmp_path / "run.pt")  # a sound zip: torch.load is reached
+    torch.save({"format": ckpt.CHECKPOINT_FORMAT}, tmp_path / "run.pt")  # a sound zip: torch.load is reached
 
     def interrupted_load(*args, **kwargs):
-        raise train_gpt.Interrupted()
+        raise launcher.Interrupted()
     monkeypatch.setattr(torch, "load", interrupted_load)
-    with pytest.raises(train_gpt.Interrupted):
-        train_gpt.read_checkpoint(str(tmp_path / "run.pt"), "resume")
+    with pytest.raises(launcher.Interrupted):
+        ckpt.read_checkpoint(str(tmp_path / "run.pt"), "resume")
 
 
 # ------------------------------------------------------------------------------ log directory and disk
@@ -670,17 +694,17 @@ def test_log_dir_on_a_full_disk_is_a_config_error(tmp_path, monkeypatch):
 
         def write(self, data):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-    monkeypatch.setattr(train_gpt.tempfile, "NamedTemporaryFile", FullDisk)
+    monkeypatch.setattr(cfg.tempfile, "NamedTemporaryFile", FullDisk)
     with pytest.raises(train_gpt.ConfigError, match=r"cannot write a file in .* \(No space left on device\)$"):
-        train_gpt.check_log_dir(train_gpt.Hyperparameters(log_dir=str(tmp_path / "records")))
+        cfg.check_log_dir(train_gpt.Hyperparameters(log_dir=str(tmp_path / "records")))
     assert list(tmp_path.iterdir()) == []
 
 
 def test_log_dir_check_leaves_nothing_behind(tmp_path):
-    train_gpt.check_log_dir(train_gpt.Hyperparameters(log_dir=str(tmp_path / "new" / "records")))
+    cfg.check_log_dir(train_gpt.Hyperparameters(log_dir=str(tmp_path / "new" / "records")))
     assert list(tmp_path.iterdir()) == []
     (tmp_path / "records").mkdir()
-    train_gpt.check_log_dir(train_gpt.Hyperparameters(log_dir=str(tmp_path / "records")))
+    cfg.check_log_dir(train_gpt.Hyperparameters(log_dir=str(tmp_path / "records")))
     assert list((tmp_path / "records").iterdir()) == []
 
 
@@ -697,7 +721,7 @@ def fail_log_writes(monkeypatch, when):
     monkeypatch.setattr(train_gpt.RunLog, "_append", append)
 
 
-@pytest.mark.parametrize("when, step", [(lambda text: text.startswith("Running PyTorch"), 0),
+@pytest.mark.parametrize("when, step", [(lambda text: "\nworld_size=" in text, 0),  # the header's second write
                                         (lambda text: text.startswith("step:3/6 train"), 3),
                                         (lambda text: text.startswith("peak memory"), 6)])
 def test_full_disk_ends_the_run_with_one_line_naming_the_log_and_the_step(tmp_path, make_shards, monkeypatch,
@@ -715,7 +739,7 @@ def test_full_disk_ends_the_run_with_one_line_naming_the_log_and_the_step(tmp_pa
                    "the lines written before are kept"]
     text = path.read_text()
     assert text.endswith("\n")  # whole lines only, up to the one that failed
-    last = {0: "Running Python ", 3: "step:2/6 train_time", 6: "step:6/6 val_loss"}[step]
+    last = {0: "CPU: ", 3: "step:2/6 train_time", 6: "step:6/6 val_loss"}[step]
     assert text.splitlines()[-1].startswith(last)
     if step == 0:  # stopped before compiling and warming up
         assert "arming up kernels" not in console.out
@@ -731,7 +755,7 @@ def test_a_signal_as_the_handlers_go_in_is_reported_and_they_are_put_back(tmp_pa
 
     def ctrl_c_just_after(signum, handler):
         previous = install(signum, handler)
-        if signum == signal.SIGTERM and isinstance(handler, train_gpt.StopSignals):
+        if signum == signal.SIGTERM and isinstance(handler, launcher.StopSignals):
             os.kill(os.getpid(), signal.SIGINT)  # delivered at the next bytecode, in the handler just installed
         return previous
     monkeypatch.setattr(train_gpt.signal, "signal", ctrl_c_just_after)

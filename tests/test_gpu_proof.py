@@ -24,6 +24,8 @@ sys.path.insert(0, str(ROOT))
 from bench import gpu_proof  # noqa: E402
 from conftest import processes_naming, sigint_as_at_a_terminal, signal_when_training  # noqa: E402
 
+pytestmark = pytest.mark.slow  # launches fresh processes: the full suite only (README, Test)
+
 
 def run(*args, timeout=60, env=None):
     env = dict(os.environ, TRITON_INTERPRET="1", **(env or {}))

@@ -13,9 +13,12 @@ import pytest
 import torch
 
 import train_gpt
+from harness import config as cfg
 from conftest import ROOT, tiny_argv
 from test_distributed import LOSS_RTOL, free_port
 from test_train_e2e import STEP_VAL
+
+pytestmark = pytest.mark.slow  # launches fresh processes: the full suite only (README, Test)
 
 TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
                       "MASTER_PORT", "NNODES", "NODE_RANK", "NPROC", "MICRO_BATCHES", "DIST_TIMEOUT_S")
@@ -64,18 +67,25 @@ def test_world_size_without_torchrun_is_one_line(tmp_path):
 
 def test_micro_batches_hint_names_the_flag():
     with pytest.raises(train_gpt.ConfigError) as cpu:
-        train_gpt.parse_config(["--preset=cpu"], {}, 2, False)
+        cfg.parse_config(["--preset=cpu"], {}, 2, False)
     assert str(cpu.value) == ("--micro_batches=1: world size 2 must divide it "
                               "(set --micro_batches=2 or another multiple of 2)")
     with pytest.raises(train_gpt.ConfigError) as cpu:
-        train_gpt.parse_config(["--preset=cpu", "--micro_batches=6"], {}, 4, False)
+        cfg.parse_config(["--preset=cpu", "--micro_batches=6"], {}, 4, False)
     assert "set --micro_batches=8 or another multiple of 4" in str(cpu.value)
     # on GPUs the speedrun's batch is the point: fewer processes first, then the flag
     with pytest.raises(train_gpt.ConfigError) as gpu:
-        train_gpt.parse_config([], {}, 16, True)
+        cfg.parse_config([], {}, 16, True)
     assert str(gpu.value) == ("--micro_batches=8: world size 16 must divide it (launch a number of processes that "
                               "divides it, e.g. 1, 2, 4 or 8 for the speedrun's 8, or set --micro_batches=16 or "
                               "another multiple of 16)")
+
+def checked_detect(args, ranks=None):
+    """Hardware.detect as harness/launch.py calls it: after the harness's checks of this machine."""
+    ranks = ranks or train_gpt.Ranks()
+    cfg.check_machine(args, ranks)
+    return train_gpt.Hardware.detect(args, ranks)
+
 
 
 def test_more_processes_than_gpus_is_one_line(monkeypatch):
@@ -83,13 +93,13 @@ def test_more_processes_than_gpus_is_one_line(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    args = train_gpt.parse_config(tiny_argv(micro_batches=gpus + 1, preset="speedrun", attn_block_size=128), {},
+    args = cfg.parse_config(tiny_argv(micro_batches=gpus + 1, preset="speedrun", attn_block_size=128), {},
                                   gpus + 1, True)  # FlexAttention's CUDA kernels take blocks of 128
     ranks = train_gpt.Ranks(rank=gpus, local_rank=gpus, world_size=gpus + 1, local_world_size=gpus + 1)
     with pytest.raises(train_gpt.ConfigError, match=f"this machine has {gpus} GPUs"):
-        train_gpt.Hardware.detect(args, ranks)
+        checked_detect(args, ranks)
     last = train_gpt.Ranks(rank=gpus - 1, local_rank=gpus - 1, world_size=gpus, local_world_size=gpus)
-    assert train_gpt.Hardware.detect(args, last).device == torch.device("cuda", gpus - 1)
+    assert checked_detect(args, last).device == torch.device("cuda", gpus - 1)
 
 
 def test_the_suite_runs_on_the_cpu_on_every_machine():
@@ -134,12 +144,14 @@ def test_two_machines_train_what_one_machine_trains(tmp_path, make_shards):
     argv = [a for a in tiny_argv(train_files=train_glob, val_files=val_glob, val_every=1, threads=1)
             if not a.startswith("--micro_batches")]
     one = start_run_sh(argv + [f"--log_dir={tmp_path / 'one'}"], tmp_path, NPROC="2")
-    finish(one)
+    out = finish(one)
+    assert "set by the environment" not in out  # run.sh's micro-batches are no variable of the user's
     port = str(free_port())
     nodes = [start_run_sh(argv + [f"--log_dir={tmp_path / 'two'}"], tmp_path, NNODES="2", NODE_RANK=str(node),
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=port, DIST_TIMEOUT_S="60") for node in (1, 0)]
     outputs = [finish(node) for node in nodes]
     assert sum("step:4/4 val_loss:" in out for out in outputs) == 1  # one console shows training
+    assert not any("set by the environment" in out for out in outputs)
 
     single, multi = val_losses(tmp_path / "one"), val_losses(tmp_path / "two")
     assert len(single) == len(multi) == 5  # val_every=1 over 4 steps, and step 0

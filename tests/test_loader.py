@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import train_gpt
+from harness import config as cfg
 from shards import BOS, write_shard
 
 
@@ -90,7 +91,7 @@ def test_a_shard_too_small_for_a_step_is_passed_over(make_shards, tmp_path, size
         assert torch.equal(inputs, torch.from_numpy(window[:-1]).long())
     # set-up names it in a warning, before anything starts
     args = train_gpt.Hyperparameters(micro_batches=per_step, train_seq_len=seq_len, num_iterations=1)
-    assert train_gpt.data_shortfall(files, args) == [
+    assert cfg.data_shortfall(files, args) == [
         f"warning: 1 training shard(s) hold at most 1,537 tokens, too few for a step (2 x micro_batches x "
         f"train_seq_len + 1), and are passed over, the first {files[1]}"]
     no_bos = tmp_path / "nobos_train_000002.bin"  # between the first shard and the last
@@ -132,7 +133,7 @@ def test_a_step_whose_room_ends_exactly_at_the_shards_end_moves_to_the_next_shar
         assert inputs.tolist() == window[:-1].tolist()
     assert len(got) == len(expected)
     args = train_gpt.Hyperparameters(micro_batches=per_step, train_seq_len=seq_len, num_iterations=1)
-    assert train_gpt.data_shortfall(files, args) == [
+    assert cfg.data_shortfall(files, args) == [
         f"warning: 1 training shard(s) hold at most {room} tokens, too few for a step (2 x micro_batches x "
         f"train_seq_len + 1), and are passed over, the first {files[0]}"]
 
@@ -260,7 +261,7 @@ def test_one_data_option_given_keeps_the_other_default_in_the_repository(tmp_pat
     path is the repository's, not the working directory's."""
     _, val_glob, _ = make_shards()
     monkeypatch.chdir(tmp_path)
-    args = train_gpt.parse_config(["--preset", "cpu", f"--val_files={val_glob}"], {}, 1)
+    args = cfg.parse_config(["--preset", "cpu", f"--val_files={val_glob}"], {}, 1)
     with pytest.raises(train_gpt.DataError) as err:
         train_gpt.resolve_data_files(args)
     assert str(err.value).startswith(os.path.join(train_gpt.REPO_DIR, train_gpt.FINEWEB_FILES[0]) + ": no training")

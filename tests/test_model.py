@@ -10,12 +10,13 @@ import torch
 import torch.nn.functional as F
 
 import train_gpt
+from harness import config as cfg
 from conftest import ROOT, TINY
 
 
 def tiny_model(**overrides):
     args = train_gpt.Hyperparameters(**dict(TINY, **overrides))
-    train_gpt.check_config(args, 1, False)
+    cfg.check_config(args, 1, False)
     hw = train_gpt.Hardware.detect(args)
     torch.manual_seed(0)
     return train_gpt.GPT(args, hw), args
@@ -128,6 +129,7 @@ ROTARY_TABLE_ERROR = """
 import sys, numpy as np, torch
 sys.path.insert(0, sys.argv[1])
 import train_gpt
+from harness import config as cfg
 rotary = train_gpt.Rotary(head_dim=64, max_seq_len=1024)  # the first cos and sin of this process
 quarter = 16
 freqs = (1 / 1024.0) ** torch.linspace(0, 1, quarter, dtype=torch.float32)
@@ -137,6 +139,7 @@ print(max(np.abs(rotary.cos.numpy() - np.cos(theta)).max(), np.abs(rotary.sin.nu
 """
 
 
+@pytest.mark.slow
 def test_rotary_tables_are_exact_in_every_process():
     """The cpu preset's tables in fresh processes, each making its first vectorized cos and sin
     there: without the one-element call before them, 1 to 4 processes in 10 (2-core Xeon,
@@ -234,6 +237,7 @@ def test_fp8_head_is_close_to_full_precision_and_only_used_in_training():
     assert torch.equal(model(inputs, None, window), full)
 
 
+@pytest.mark.slow
 def test_compiled_blocks_stay_compiled_for_training_and_validation():
     """The speedrun layout has ~12 block variants (attention or not, value embedding or not, long
     or short window, block 0, training or validation); dynamo must not fall back to eager."""
@@ -258,6 +262,7 @@ def test_compiled_blocks_stay_compiled_for_training_and_validation():
         torch._dynamo.reset()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["fp32 sdpa", "bf16 sdpa fp8", "fp32 flex"])
 def test_whole_model_compiles_to_one_graph_for_training_and_one_for_validation(layout):
     """--compile_scope model, the record's: fullgraph=True, so a graph break anywhere in the forward
@@ -306,6 +311,13 @@ def test_whole_model_compiles_to_one_graph_for_training_and_one_for_validation(l
         for name, p in model.named_parameters():
             torch.testing.assert_close(p.grad, eager_grads[name], msg=name)
 
+def checked_detect(args, ranks=None):
+    """Hardware.detect as harness/launch.py calls it: after the harness's checks of this machine."""
+    ranks = ranks or train_gpt.Ranks()
+    cfg.check_machine(args, ranks)
+    return train_gpt.Hardware.detect(args, ranks)
+
+
 
 def test_fp8_head_shapes_are_checked_where_the_fp8_head_runs(monkeypatch):
     """torch._scaled_mm takes multiples of 16 only: GPT-2's own 50257 tokens failed at the first
@@ -316,14 +328,14 @@ def test_fp8_head_shapes_are_checked_where_the_fp8_head_runs(monkeypatch):
     for fields, name in [(dict(vocab_size=50257), "--vocab_size=50257"),
                          (dict(num_heads=5, head_dim=104, model_dim=520), "--model_dim=520")]:
         with pytest.raises(train_gpt.ConfigError) as err:
-            train_gpt.Hardware.detect(train_gpt.Hyperparameters(**fields))
+            checked_detect(train_gpt.Hyperparameters(**fields))
         assert str(err.value) == (f"{name}: the FP8 head needs a multiple of 16 on this GPU (a new run: "
                                   "--fp8_head false; any run, a resumed one too: --device cpu)")
-        assert train_gpt.Hardware.detect(train_gpt.Hyperparameters(**fields, fp8_head=False)).fp8_head is False
-        assert train_gpt.Hardware.detect(train_gpt.Hyperparameters(**fields, sample="run.pt")).device.type == "cuda"
-    assert train_gpt.Hardware.detect(train_gpt.Hyperparameters(vocab_size=50320)).fp8_head is True
+        assert checked_detect(train_gpt.Hyperparameters(**fields, fp8_head=False)).fp8_head is False
+        assert checked_detect(train_gpt.Hyperparameters(**fields, sample="run.pt")).device.type == "cuda"
+    assert checked_detect(train_gpt.Hyperparameters(vocab_size=50320)).fp8_head is True
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))  # an A100: no FP8 head
-    assert train_gpt.Hardware.detect(train_gpt.Hyperparameters(vocab_size=50257)).fp8_head is False
+    assert checked_detect(train_gpt.Hyperparameters(vocab_size=50257)).fp8_head is False
 
 
 def test_training_on_cuda_with_dynamo_disabled_is_refused(monkeypatch):
@@ -335,13 +347,13 @@ def test_training_on_cuda_with_dynamo_disabled_is_refused(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")
     with pytest.raises(train_gpt.ConfigError) as err:
-        train_gpt.Hardware.detect(train_gpt.Hyperparameters())
+        checked_detect(train_gpt.Hyperparameters())
     assert str(err.value) == ("TORCHDYNAMO_DISABLE=1 in the environment: on CUDA FlexAttention runs only compiled "
                               "(unset it: --compile false keeps the rest eager; or --device cpu)")
-    assert train_gpt.Hardware.detect(train_gpt.Hyperparameters(sample="run.pt")).device.type == "cuda"
-    assert train_gpt.Hardware.detect(train_gpt.Hyperparameters(device="cpu")).device.type == "cpu"
+    assert checked_detect(train_gpt.Hyperparameters(sample="run.pt")).device.type == "cuda"
+    assert checked_detect(train_gpt.Hyperparameters(device="cpu")).device.type == "cpu"
     monkeypatch.setenv("TORCHDYNAMO_DISABLE", "0")
-    assert train_gpt.Hardware.detect(train_gpt.Hyperparameters()).attention == "flex"
+    assert checked_detect(train_gpt.Hyperparameters()).attention == "flex"
 
 
 @pytest.mark.parametrize("cuda, capability, fp8", [(False, None, False), (True, (8, 0), False), (True, (9, 0), True)])
@@ -366,6 +378,7 @@ def test_hardware_branches(monkeypatch, cuda, capability, fp8):
 FP8_TOKENS = 32
 
 
+@pytest.mark.slow
 def test_fp8_head_traces_under_compile():
     """The custom op's fake (meta) functions and autograd registration, as torch.compile sees them:
     the compiled head gives the eager head's logits and gradients."""
@@ -391,6 +404,7 @@ def test_fp8_head_traces_under_compile():
     torch.testing.assert_close(model.lm_head_w.grad, eager_grad)
 
 
+@pytest.mark.slow
 def test_fp8_op_bodies_are_captured_once(monkeypatch):
     """On CUDA each FP8 op body is compiled on its own. AOT autograd runs a compiled graph's first
     call under a dispatch mode (its custom-op aliasing check) that changes the dispatch keys the

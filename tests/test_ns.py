@@ -15,7 +15,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import train_gpt as ns  # noqa: E402
-from bench.derive_aol_coeffs import derive_schedule, singular_value_interval  # noqa: E402
+from bench.derive_aol_coeffs import aol_precondition, derive_schedule, singular_value_interval  # noqa: E402
 
 needs_triton = pytest.mark.skipif(ns.triton is None, reason="triton is not installed")
 
@@ -250,7 +250,7 @@ def spectra_cases():
 @pytest.mark.parametrize("name", list(spectra_cases()))
 def test_aol_scaling_bounds_the_spectral_norm_by_one(name):
     G = spectra_cases()[name]
-    scaled = ns.aol_precondition(G)
+    scaled = aol_precondition(G)
     assert scaled.shape == G.shape
     assert torch.linalg.matrix_norm(scaled, ord=2).max().item() <= 1 + 1e-12
 
@@ -258,7 +258,7 @@ def test_aol_scaling_bounds_the_spectral_norm_by_one(name):
 def test_aol_scaling_is_scale_invariant():
     # The row-sum floor must not kick in for small but ordinary gradients.
     G = spectra_cases()["gaussian_wide"]
-    torch.testing.assert_close(ns.aol_precondition(G * 1e-12), ns.aol_precondition(G))
+    torch.testing.assert_close(aol_precondition(G * 1e-12), aol_precondition(G))
 
 
 def aol_reference(G):
@@ -287,11 +287,11 @@ def test_aol_precondition_is_the_schur_row_scaling(shape):
     scaled by rows, a tall one by columns. Rows four decades apart make row and column scaling,
     and every s_i, differ a lot."""
     G = rows_spread_over_four_decades(*shape, seed=sum(shape))
-    torch.testing.assert_close(ns.aol_precondition(G), aol_reference(G), rtol=1e-12, atol=0)
+    torch.testing.assert_close(aol_precondition(G), aol_reference(G), rtol=1e-12, atol=0)
     # far below any gradient's scale, the floor decides: s_i = 1e15, not 1/sqrt(row sum)
     tiny = G * 1e-25
     assert aol_reference(tiny).abs().max() < 1e-6
-    torch.testing.assert_close(ns.aol_precondition(tiny), aol_reference(tiny), rtol=1e-12, atol=0)
+    torch.testing.assert_close(aol_precondition(tiny), aol_reference(tiny), rtol=1e-12, atol=0)
 
 
 def test_aol_precondition_leaves_orthonormal_rows_or_columns_alone():
@@ -300,14 +300,14 @@ def test_aol_precondition_leaves_orthonormal_rows_or_columns_alone():
     gen = torch.Generator().manual_seed(8)
     Q, _ = torch.linalg.qr(torch.randn(9, 4, generator=gen, dtype=torch.float64))  # orthonormal columns
     for G in (Q, Q.T.contiguous()):
-        torch.testing.assert_close(ns.aol_precondition(G), G, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(aol_precondition(G), G, rtol=1e-12, atol=1e-14)
 
 
 def test_aol_on_a_tall_matrix_is_the_transpose_of_aol_on_its_transpose():
     """A tall matrix is worked on as its wide transpose: AOL scales its columns, and the result is
     the transposed result of the wide input, for the scaling alone and for the whole iteration."""
     G = torch.stack([rows_spread_over_four_decades(70, 30, seed=seed) for seed in (9, 10)])
-    torch.testing.assert_close(ns.aol_precondition(G), ns.aol_precondition(G.mT).mT, rtol=1e-12, atol=0)
+    torch.testing.assert_close(aol_precondition(G), aol_precondition(G.mT).mT, rtol=1e-12, atol=0)
     torch.testing.assert_close(ns.orthogonalize(G, "aol"), ns.orthogonalize(G.mT, "aol").mT, rtol=1e-12, atol=1e-14)
 
 
@@ -389,14 +389,14 @@ def test_singular_values_land_in_the_expected_band(shape, seed):
     # its own l = 1e-3, which these inputs exceed after AOL scaling.
     bands = {"polar_express": singular_value_interval(ns.POLAR_EXPRESS_COEFFS, 1e-3)[-1],
              "aol": singular_value_interval(ns.AOL_COEFFS, ns.AOL_COEFFS_LOWER_BOUND)[-1]}
-    assert torch.linalg.svdvals(ns.aol_precondition(G.double())).min() >= ns.AOL_COEFFS_LOWER_BOUND
+    assert torch.linalg.svdvals(aol_precondition(G.double())).min() >= ns.AOL_COEFFS_LOWER_BOUND
     for method, (band_low, band_high) in bands.items():
         low, high = singular_value_range(ns.orthogonalize(G, method))
         assert band_low - 1e-3 <= low and high <= band_high + 1e-3, method
 
     # A table derived for the post-AOL spectrum: all singular values after AOL
     # scaling lie in [0.1, 1] here, where 4 steps guarantee 1 to within 1e-9.
-    assert torch.linalg.svdvals(ns.aol_precondition(G.double())).min() >= 0.1
+    assert torch.linalg.svdvals(aol_precondition(G.double())).min() >= 0.1
     low, high = singular_value_range(ns.orthogonalize(G, "aol", coeffs=derive_schedule(0.1, 4)))
     assert 1 - 1e-3 <= low and high <= 1 + 1e-3
 
@@ -510,12 +510,13 @@ def test_section_imports_and_runs_without_triton():
 
 
 def test_the_interpreter_patch_is_applied_once():
-    """Under TRITON_INTERPRET, importing train_gpt patches Triton's interpreter; importing it again
-    (as __main__ and as train_gpt) must not wrap the patch a second time."""
+    """Under TRITON_INTERPRET, importing train_gpt patches Triton's interpreter (harness/
+    triton_interpreter.py); patching it again (a second copy of train_gpt) must not wrap it twice."""
     interpreter = pytest.importorskip("triton.runtime.interpreter")
     patched = getattr(interpreter, "_patch_lang_tensor", None)
     if patched is None:
         pytest.skip("this Triton's interpreter has no _patch_lang_tensor: nothing is patched")
     assert getattr(patched, "squeezes_scalars", False)
-    ns._squeeze_interpreted_scalars()
+    from harness import triton_interpreter
+    triton_interpreter._squeeze_interpreted_scalars()
     assert interpreter._patch_lang_tensor is patched

@@ -14,6 +14,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench import profile_step  # noqa: E402
 
+pytestmark = pytest.mark.slow  # launches fresh processes: the full suite only (README, Test)
+
 
 def profile(out, *args, timeout=300):
     """Run bench/profile_step.py --out OUT ARGS; its table once it succeeded."""

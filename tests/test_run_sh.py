@@ -13,6 +13,8 @@ import pytest
 
 from conftest import ROOT
 
+pytestmark = pytest.mark.slow  # launches fresh processes: the full suite only (README, Test)
+
 
 def test_run_sh_trains_the_cpu_preset(tmp_path):
     checkout = tmp_path / "clone"  # a copy, as from a fresh clone: no FineWeb, no records
@@ -71,7 +73,8 @@ def test_a_resume_over_several_cpu_processes_keeps_the_checkpoints_micro_batches
     2 processes split 4. With --resume (or RESUME) the checkpoint's stays, unless MICRO_BATCHES is set."""
     torch = pytest.importorskip("torch")
     import train_gpt
-    torch.save(dict(format=train_gpt.CHECKPOINT_FORMAT, config=dict(preset="cpu", micro_batches=4), step=1),
+    from harness import checkpoints as ckpt
+    torch.save(dict(format=ckpt.CHECKPOINT_FORMAT, config=dict(preset="cpu", micro_batches=4), step=1),
                tmp_path / "run.pt")
     env = dict(os.environ, PYTHON=sys.executable, NPROC="2", CUDA_VISIBLE_DEVICES="")
     for args, extra, expected in [(["--resume", "run.pt"], {}, "--micro_batches=4 "),

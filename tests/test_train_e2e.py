@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import train_gpt
+from harness import checkpoints as ckpt, config as cfg
 from conftest import ROOT, TINY, tiny_argv
 
 STEP_VAL = re.compile(r"^step:(\d+)/(\d+) val_loss:(\d+\.\d{4}) train_time:(\d+)ms step_avg:(\d+\.\d{2})ms$")
@@ -29,6 +30,7 @@ def run_script(tmp_path, *extra):
                           capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_script_writes_a_complete_log(tmp_path, make_shards):
     train_glob, val_glob, _ = make_shards()
     log_dir = tmp_path / "records"
@@ -98,7 +100,7 @@ def test_script_writes_a_complete_log(tmp_path, make_shards):
 def in_process(make_shards_result, on_step=None, **overrides):
     train_glob, val_glob, _ = make_shards_result
     args = train_gpt.Hyperparameters(**dict(TINY, train_files=train_glob, val_files=val_glob, **overrides))
-    train_gpt.check_config(args, 1, False)
+    cfg.check_config(args, 1, False)
     hw = train_gpt.Hardware.detect(args)
     log = lambda *a, **k: None  # noqa: E731
     return train_gpt.train(args, train_gpt.Ranks(), hw, log, on_step=on_step)
@@ -149,6 +151,7 @@ def test_each_step_trains_with_the_schedules_at_its_own_step(make_shards, monkey
         train_gpt.long_window_blocks_at(step, args) for step, _ in result.val_losses for _ in range(per_validation)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scope", ["model", "blocks"])
 def test_compiled_training_gives_the_eager_run(make_shards, monkeypatch, scope):
     """train() with --compile true: warmup (which compiles the training and validation graphs),
@@ -245,7 +248,7 @@ def test_the_clock_counts_the_step_that_found_the_data_gone(make_shards, monkeyp
     train_glob, val_glob, _ = make_shards(train_sizes=(1_000,))
     args = train_gpt.Hyperparameters(**dict(TINY, train_files=train_glob, val_files=val_glob, num_iterations=50,
                                             val_every=1))
-    train_gpt.check_config(args, 1, False)
+    cfg.check_config(args, 1, False)
     lines = []
     result = train_gpt.train(args, train_gpt.Ranks(), train_gpt.Hardware.detect(args),
                              lambda text, **kwargs: lines.append(text))
@@ -308,6 +311,7 @@ def test_a_training_shard_without_a_bos_token_is_named_and_passed_over(tmp_path,
 
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or shutil.which("taskset") is None,
                     reason="needs Linux CPU affinity and taskset")
+@pytest.mark.slow
 def test_the_default_thread_count_is_the_cpus_the_process_may_use(tmp_path, make_shards):
     """Under taskset (or Slurm, or a container's cpuset) the default is the CPUs allowed, not the
     host's count, and a CPU log says which count ordered its sums."""
@@ -334,7 +338,7 @@ def test_missing_data_fails_before_any_log_is_written(tmp_path):
 
 
 def test_cpu_preset_falls_back_to_the_sample_only_without_fineweb(tmp_path, make_shards, monkeypatch):
-    args = train_gpt.parse_config(["--preset", "cpu"], {}, 1, False)
+    args = cfg.parse_config(["--preset", "cpu"], {}, 1, False)
     monkeypatch.setattr(train_gpt, "REPO_DIR", str(tmp_path))  # a checkout without data/fineweb10B
     (tmp_path / "data" / "sample").mkdir(parents=True)
     train_glob, val_glob, _ = make_shards(prefix="sample")
@@ -351,14 +355,14 @@ def test_cpu_preset_falls_back_to_the_sample_only_without_fineweb(tmp_path, make
     assert train == [str(tmp_path / "data" / "fineweb10B" / "fineweb_train_000001.bin")]
     assert "embedded sample" not in note
     # the speedrun preset never falls back
-    speedrun = train_gpt.parse_config(["--preset", "speedrun"], {}, 1, False)
+    speedrun = cfg.parse_config(["--preset", "speedrun"], {}, 1, False)
     for f in (tmp_path / "data" / "fineweb10B").iterdir():
         f.unlink()
     with pytest.raises(train_gpt.DataError, match=r"no training shards match \(FineWeb, the default of --train_files: "
                                                   r"run `python data/cached_fineweb10B.py`, or set --train_files\)$"):
         train_gpt.resolve_data_files(speedrun)
     # only the training files given: the error names the validation files' default
-    train_only = train_gpt.parse_config(["--preset", "speedrun", "--train_files",
+    train_only = cfg.parse_config(["--preset", "speedrun", "--train_files",
                                          str(tmp_path / "data" / "sample" / "sample_train_*.bin")], {}, 1, False)
     with pytest.raises(train_gpt.DataError, match=r"fineweb_val_\*.bin: no validation shards match \(FineWeb, the "
                                                   r"default of --val_files: .*, or set --val_files\)$"):
@@ -375,7 +379,7 @@ def test_a_run_on_the_sample_resumes_on_the_sample_once_fineweb_is_downloaded(tm
     for f in Path(train_glob).parent.glob("*.bin"):
         f.rename(tmp_path / "data" / "sample" / f.name)
     kept = tmp_path / "step2.pt"
-    monkeypatch.setattr(train_gpt, "save_checkpoint", functools.partial(keep_first_checkpoint, kept))
+    monkeypatch.setattr(ckpt, "save_checkpoint", functools.partial(keep_first_checkpoint, kept))
     argv = tiny_argv(num_iterations=4, val_every=2, save_checkpoint=True, checkpoint_every=2)
     assert train_gpt.main(argv + [f"--log_dir={tmp_path / 'full'}"], {}) == 0
     saved = torch.load(kept, weights_only=True)["config"]   # the sample, as a path in the repository (it may move)
@@ -398,7 +402,7 @@ def keep_first_checkpoint(kept, path, step, *args, **kwargs):
     return written
 
 
-REAL_SAVE_CHECKPOINT = train_gpt.save_checkpoint
+REAL_SAVE_CHECKPOINT = ckpt.save_checkpoint
 
 
 def test_training_on_a_validation_shard_is_refused(make_shards):
@@ -407,7 +411,7 @@ def test_training_on_a_validation_shard_is_refused(make_shards):
     train_glob, val_glob, _ = make_shards()
     everything = train_glob.replace("_train_*", "_*")
     argv = ["--preset", "cpu", "--train_files", everything, "--val_files", val_glob]
-    args = train_gpt.parse_config(argv, {}, 1, False)
+    args = cfg.parse_config(argv, {}, 1, False)
     with pytest.raises(train_gpt.DataError) as error:
         train_gpt.resolve_data_files(args)
     assert str(error.value) == (f"{val_glob.replace('*', '000000')}: matched by both --train_files and --val_files; "
@@ -419,29 +423,31 @@ def test_one_data_option_given_is_checked_first_and_the_other_default_explained(
     training default, which the sample no longer stands in for, and the error says why."""
     monkeypatch.setattr(train_gpt, "REPO_DIR", str(tmp_path))  # a checkout without data/fineweb10B
     (tmp_path / "data" / "sample").mkdir(parents=True)
-    typo = train_gpt.parse_config(["--preset", "cpu", "--val_files", str(tmp_path / "vall_*.bin")], {}, 1, False)
+    typo = cfg.parse_config(["--preset", "cpu", "--val_files", str(tmp_path / "vall_*.bin")], {}, 1, False)
     with pytest.raises(train_gpt.DataError, match=r"^--val_files='.*vall_\*\.bin': no validation shards match$"):
         train_gpt.resolve_data_files(typo)
     (tmp_path / "v_000000.bin").write_bytes((ROOT / "data" / "sample" / "sample_val_000000.bin").read_bytes())
-    right = train_gpt.parse_config(["--preset", "cpu", "--val_files", str(tmp_path / "v_*.bin")], {}, 1, False)
+    right = cfg.parse_config(["--preset", "cpu", "--val_files", str(tmp_path / "v_*.bin")], {}, 1, False)
     with pytest.raises(train_gpt.DataError, match=r"fineweb_train_\*\.bin: no training shards match \(FineWeb, the "
                        r"default of --train_files: .*, or set --train_files; the embedded sample stands in only "
                        r"where neither option is set\)$"):
         train_gpt.resolve_data_files(right)
 
 
+@pytest.mark.slow
 def test_a_copy_of_train_gpt_outside_the_repository_says_where_its_default_data_is(tmp_path):
-    """A fork copied to a folder of its own finds no data/ beside it: the line says so."""
+    """A fork copied to a folder of its own (without harness/: plain --field=value options) finds no
+    data/ beside it: the line says so."""
     fork = tmp_path / "fork" / "train_gpt.py"
     fork.parent.mkdir()
     shutil.copy(ROOT / "train_gpt.py", fork)
-    done = subprocess.run([sys.executable, str(fork), "--preset", "cpu", "--num_iterations", "1",
-                           "--log_dir", str(tmp_path / "logs")], capture_output=True, text=True, timeout=120,
+    done = subprocess.run([sys.executable, str(fork), "--preset=cpu", "--num_iterations=1",
+                           f"--log_dir={tmp_path / 'logs'}"], capture_output=True, text=True, timeout=120,
                           cwd=tmp_path)
     assert done.returncode == train_gpt.EXIT_ERROR, done.stderr
     assert done.stderr == (f"train_gpt.py: error: {fork.parent}/data/sample/sample_train_*.bin: no training shards "
-                           f"match (the default data lies in data/ beside train_gpt.py, and {fork.parent} has no "
-                           "data/sample/: keep a fork in the repository's root, beside data/, or set --train_files)\n")
+                           "match (the default data lies in data/ beside train_gpt.py: keep a fork beside data/, or "
+                           "set --train_files)\n")
     assert not (tmp_path / "logs").exists()
 
 
@@ -488,3 +494,39 @@ def test_values_the_environment_sets_are_named_on_the_console(tmp_path, make_sha
     assert out.startswith("set by the environment: SEED=7\nlogging to ") and "step:2/2 val_loss:" in out
     assert train_gpt.main(argv, {}) == 0
     assert "set by the environment" not in capsys.readouterr().out
+
+
+def test_the_console_shows_an_eta_and_ends_by_saying_how_the_run_went(tmp_path, make_shards, capsys):
+    """Step lines on the console carry an eta (the log keeps the public format, which compare.py
+    parses); the last console line gives the final val loss against the target, the train time and
+    the log's absolute path."""
+    train_glob, val_glob, _ = make_shards()
+    argv = tiny_argv(train_files=train_glob, val_files=val_glob, log_dir=tmp_path / "logs", num_iterations=3,
+                     val_every=0, target_val_loss=20.0)
+    assert train_gpt.main(argv, {}) == 0
+    out = capsys.readouterr().out.splitlines()
+    log = next((tmp_path / "logs").glob("*/*.txt"))
+    steps = [line for line in out if line.startswith("step:") and "val_loss" not in line]
+    assert [re.fullmatch(r"step:(\d)/3 train_time:\d+ms step_avg:\d+\.\d\dms eta:\d+m\d\ds", line)[1]
+            for line in steps] == ["1", "2", "3"]
+    assert steps[-1].endswith(" eta:0m00s")
+    logged = [line for line in log.read_text().splitlines() if line.startswith("step:")]
+    assert [line.split(" eta:")[0] for line in steps] == [line for line in logged if "val_loss" not in line]
+    final = float(re.search(r"^step:3/3 val_loss:(\d+\.\d+) ", log.read_text(), re.M)[1])
+    assert out[-1] == (f"val_loss {final:.4f} at step 3/3 reached the target 20.0; train time "
+                       f"{out[-1].split('train time ')[1].split(' s;')[0]} s; log {log.resolve()}")
+    assert os.path.isabs(out[-1].split("; log ")[1])
+    argv[-1] = "--target_val_loss=1.0"
+    assert train_gpt.main(argv, {}) == 0
+    assert " missed the target 1.0; train time " in capsys.readouterr().out.splitlines()[-1]
+
+
+def test_the_default_log_folder_is_the_repositorys_records_wherever_the_run_starts(tmp_path, monkeypatch):
+    """`cd /tmp && run.sh` read the repository's data but wrote to /tmp/records: the default
+    records/ is the repository's; a folder the user names is relative to where they are."""
+    monkeypatch.chdir(tmp_path)
+    today = time.strftime("%Y-%m-%d")
+    default = train_gpt.Hyperparameters(run_name="x")
+    assert train_gpt.run_folder(default) == os.path.join(str(ROOT), "records", f"{today}_x")
+    named = train_gpt.Hyperparameters(run_name="x", log_dir="mine")
+    assert train_gpt.run_folder(named) == os.path.join("mine", f"{today}_x")
