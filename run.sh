@@ -4,8 +4,8 @@
 #   ./run.sh --run_name myidea          ./run.sh --preset cpu --num_iterations 50
 # The speedrun needs a number of processes that divides 8: with 3, 5, 6 or 7 GPUs the largest
 # such number is used (say so with NPROC=... to choose yourself). On CPU, NPROC=N starts N gloo
-# processes, and each step takes one micro-batch per process (MICRO_BATCHES=N unless given, or
-# the checkpoint's with --resume or RESUME).
+# processes, and each step takes one micro-batch per process (--micro_batches=N unless given by
+# an option or MICRO_BATCHES, or the checkpoint's with --resume or RESUME).
 # Several machines: run the same command on each, with NNODES (the number of machines),
 # NODE_RANK (0 on the machine at MASTER_ADDR, which hosts the rendezvous; 1, 2, ... on the
 # others), MASTER_ADDR and optionally MASTER_PORT (default 29500). A machine waits
@@ -38,9 +38,10 @@ if [ "$gpus" -eq 0 ]; then
     fi
     # The cpu preset takes one micro-batch per step, which cannot be split over processes; a
     # resumed run keeps its checkpoint's (the trainer refuses one the processes cannot split).
-    resuming=${RESUME:-}
-    for arg in "$@"; do case $arg in --resume|--resume=?*) resuming=1;; esac; done
-    [ -n "$resuming" ] || export MICRO_BATCHES=${MICRO_BATCHES:-$((nnodes * nproc))}
+    # Passed as an option, not the environment: the trainer names only the user's variables.
+    given=${RESUME:-}${MICRO_BATCHES:-}
+    for arg in "$@"; do case $arg in --resume|--resume=?*|--micro_batches|--micro_batches=*) given=1;; esac; done
+    [ -n "$given" ] || set -- "$@" "--micro_batches=$((nnodes * nproc))"
 elif [ -z "$nproc" ]; then
     for n in 8 4 2 1; do
         if [ "$n" -le "$gpus" ]; then nproc=$n; break; fi
