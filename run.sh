@@ -40,7 +40,7 @@ if [ "$gpus" -eq 0 ]; then
     # resumed run keeps its checkpoint's (the trainer refuses one the processes cannot split).
     # Passed as an option, not the environment: the trainer names only the user's variables.
     given=${RESUME:-}${MICRO_BATCHES:-}
-    for arg in "$@"; do case $arg in --resume|--resume=?*|--micro_batches|--micro_batches=*) given=1;; esac; done
+    for arg in "$@"; do case $arg in --resume|--resume=?*|--micro[_-]batches|--micro[_-]batches=*) given=1;; esac; done
     [ -n "$given" ] || set -- "$@" "--micro_batches=$((nnodes * nproc))"
 elif [ -z "$nproc" ]; then
     for n in 8 4 2 1; do

@@ -151,8 +151,7 @@ def trains_on_sample(args):  # the cpu preset with both data options unset, and 
     return (args.preset == "cpu" and (args.train_files, args.val_files) == FINEWEB_FILES
             and not all(glob.glob(os.path.join(REPO_DIR, p)) for p in FINEWEB_FILES))
 
-NS_METHODS = ("newton_schulz", "polar_express", "aol")
-NS_BACKENDS = ("torch", "triton")
+NS_METHODS, NS_BACKENDS = ("newton_schulz", "polar_express", "aol"), ("torch", "triton")
 
 def uses_cuda(args, cuda_available):
     return args.device == "cuda" or (args.device == "auto" and cuda_available)
@@ -1312,7 +1311,7 @@ def param_specs(model, args):
     for name, p in sorted(model.named_parameters(), key=forward_position):
         group = ("embed" if name.startswith(("embed.", "value_embeds.")) else "head" if name == "lm_head_w"
                  else "matrix" if p.ndim >= 2 else "scalar")
-        muon = group == "matrix" and args.matrix_optimizer == "muon"
+        muon = group == "matrix" and args.matrix_optimizer != "adam"
         specs.append(ParamSpec(name, p, "muon" if muon else "adam", group, 1.0 if muon else lr_mults[group]))
     return specs
 
@@ -1456,8 +1455,7 @@ class TrainBatches:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
     def state(self):
-        """The stream position for checkpoints (the same on every rank); after data ran out mid-step,
-        where that step began, so a resume with more shards takes that step's windows."""
+        """The stream position for checkpoints (every rank's); after data ran out mid-step, that step's start."""
         shard, cursor, taken = self._shard, self._cursor, self.windows_taken
         if taken % self.windows_per_step and self._step_start is not None:
             shard, cursor, taken = self._step_start
@@ -1583,15 +1581,13 @@ def duration(seconds):  # 83 -> "1m23s", for the console's eta
 
 def run_summary(args, result, log):
     """The console's last line: the final val loss against the target, the train time, the log."""
-    if result.val_losses:
-        step, loss = result.val_losses[-1]
-        verdict = "reached" if loss <= args.target_val_loss else "missed"
-        scored = f"val_loss {loss:.4f} at step {step}/{args.num_iterations} {verdict} the target {args.target_val_loss}"
-    else:
-        scored = f"no validation ran (target {args.target_val_loss})"
-    timing = (f"stopped in step {result.steps_done + 1}/{args.num_iterations}" if result.crashed  # clock unread
-              else f"train time {result.train_time_ms / 1000:.1f} s")
-    return f"{scored}; {timing}; log {os.path.abspath(log.path)}"
+    N, target = args.num_iterations, args.target_val_loss
+    step, loss = result.val_losses[-1] if result.val_losses else (None, None)
+    scored = (f"val_loss {loss:.4f} {'reached' if loss <= target else 'missed'} the target {target}"
+              if step == N and not result.failure else f"stopped at step {result.steps_done}/{N}: target {target} "
+              f"not reached" + (f" (last val_loss {loss:.4f} at step {step})" if result.val_losses else ""))
+    timing = "" if result.crashed else f"; train time {result.train_time_ms / 1000:.1f} s"  # a crash's clock is unread
+    return f"{scored}{timing}; log {os.path.abspath(log.path)}"
 
 def hardware_description(hw):  # nvidia-smi's, or the same dated form (compare.py reads the date)
     today = time.strftime("%a %b %d %H:%M:%S %Y")
@@ -1653,7 +1649,7 @@ EXIT_ERROR, EXIT_CONFIG, EXIT_DATA_RAN_OUT, EXIT_DIVERGED = 1, 2, 3, 4
 # What stops a run at its next check (harness/launch.py watches them; SIGHUP: a closed terminal).
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
-class NoStopSignals:  # without the harness no signal is watched (Ctrl-C raises KeyboardInterrupt)
+class NoStopSignals:  # without the harness no signal is watched
     signum = repeat = None
     phase = ""
 
@@ -1687,6 +1683,8 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
         train_files = [path for path in train_files if path not in without_bos]  # no window starts there
         config = harness("config")  # warns where the shards cannot last the run
         warnings = config.data_shortfall(train_files, args, without_bos) if config else []
+        if not train_files:  # (the harness has said more)
+            raise DataError(f"{args.train_files}: no training shard holds a BOS token ({BOS_TOKEN}): nothing would train")
         model = GPT(args, hw).to(hw.device)
         optimizer = ShardedMuonAdam(param_specs(model, args), args, ranks, hw, collectives)
         if checkpoints is not None:  # now, not after minutes of compiling
@@ -1779,7 +1777,8 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
         def random_batch():
             tokens = torch.randint(0, BOS_TOKEN, (args.train_seq_len + 1,), generator=rng)
             tokens[0] = BOS_TOKEN
-            return tokens[:-1].to(hw.device), tokens[1:].to(hw.device)
+            tokens = tokens.to(hw.device)  # inputs and targets view one buffer, as the loader's batches
+            return tokens[:-1], tokens[1:]
         for warmup_step in range(args.warmup_steps):
             train_step(warmup_step * args.num_iterations // args.warmup_steps, random_batch)
         with torch.no_grad():
@@ -1915,13 +1914,14 @@ def harness(name, needed_for=None):
     """harness/<name>.py, loaded on first use; None in a copy of this file alone (needed_for: the
     options that cannot work without it)."""
     if name not in HARNESS:
-        if not os.path.isfile(os.path.join(REPO_DIR, "harness", f"{name}.py")):
+        here = os.path.dirname(os.path.abspath(__file__))  # (tests move REPO_DIR, the data's root)
+        if not os.path.isfile(os.path.join(here, "harness", f"{name}.py")):
             if needed_for:
                 raise ConfigError(f"{needed_for}: needs harness/{name}.py beside {os.path.basename(__file__)}")
             return None
         sys.modules.setdefault("train_gpt", sys.modules[__name__])  # the harness's name for this module
-        if REPO_DIR not in sys.path:
-            sys.path.insert(0, REPO_DIR)
+        if here not in sys.path:
+            sys.path.insert(0, here)
         HARNESS[name] = importlib.import_module(f"harness.{name}")
     return HARNESS[name]
 
@@ -1936,7 +1936,7 @@ def logged_code():
     code that runs): this file, then the harness modules a training run uses."""
     code = source_code().decode("utf-8", "replace")
     for name in ("launch", "config", "checkpoints"):
-        path = os.path.join(REPO_DIR, "harness", f"{name}.py")
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "harness", f"{name}.py")
         if os.path.isfile(path):
             with open(path, encoding="utf-8", errors="replace") as f:
                 code += f"\n\n{'-' * 40}\n# harness/{name}.py\n{'-' * 40}\n\n{f.read()}"
@@ -1946,11 +1946,12 @@ def plain_config(argv):  # a copy of this file alone: the machine's preset, then
     types = {f.name: f.type for f in dataclasses.fields(Hyperparameters)}
     options = dict(arg.removeprefix("--").split("=", 1) for arg in argv if arg.startswith("--") and "=" in arg)
     unknown = [arg for arg in argv if not arg.startswith("--") or "=" not in arg or arg[2:].split("=")[0] not in types]
-    if unknown:
-        raise ConfigError(f"{unknown[0]}: expected --field=value with a field of Hyperparameters")
+    needs = [f"--{n}: needs harness/ beside train_gpt.py" for n in ("sample", "resume", "save_checkpoint") if n in options]
+    if unknown or needs:
+        raise ConfigError(needs[0] if needs else f"{unknown[0]}: expected --field=value with a field of Hyperparameters")
     preset = options.get("preset", "speedrun" if torch.cuda.is_available() else "cpu")
-    values = {name: text.lower() in ("1", "true", "yes", "on") if types[name] is bool else types[name](text)
-              for name, text in options.items()}
+    booleans = dict.fromkeys(("1", "true", "yes", "on"), True) | dict.fromkeys(("0", "false", "no", "off"), False)
+    values = {name: booleans[text.lower()] if types[name] is bool else types[name](text) for name, text in options.items()}
     return Hyperparameters(**{**PRESETS[preset], **values})
 
 def main(argv=None, environ=None):
@@ -1966,7 +1967,7 @@ def main(argv=None, environ=None):
     try:
         args = plain_config(argv)
         check_config(args, ranks.world_size, torch.cuda.is_available())
-    except (ConfigError, ValueError, TypeError) as e:
+    except (ConfigError, ValueError, TypeError, KeyError) as e:  # KeyError: an unknown preset or boolean
         say(f"{os.path.basename(__file__)}: error: {first_line(e)}", sys.stderr)
         return EXIT_CONFIG
     hw = Hardware.detect(args, ranks)

@@ -29,7 +29,7 @@ LAUNCH_FIELDS = {"device", "threads", "compile", "compile_scope", "overlap_comms
 # (device, ns_backend, compile, compile_scope, compile_adam and CPU threads change rounding only):
 # a run may resume with other values of these. compile_adam is no field of the machine: a resumed
 # run keeps the rounding it chose, unless told otherwise. The data may move to another folder: the
-# loader's shard is checked by name and length (TrainBatches.check_position).
+# loader's shard is checked by name and length (check_position below).
 RESUME_FREE_FIELDS = LAUNCH_FIELDS | {"compile_adam", "run_name", "log_dir", "target_val_loss", "val_every",
                                       "train_files", "val_files", "save_checkpoint", "checkpoint_every", "resume",
                                       "sample", "prompt", "max_new_tokens", "temperature", "top_k"}
@@ -170,7 +170,7 @@ def read_checkpoint(path, option, args=None, verify=True):
 
 def check_resumable(checkpoint, path, args, from_environment=frozenset()):
     """Refuse to resume a checkpoint trained with another configuration (naming every field that
-    differs, and the variable where the environment set it: run.sh sets MICRO_BATCHES on CPU) or
+    differs, and the variable where the environment set it) or
     one that has nothing left to train."""
     here = dataclasses.asdict(args)
     saved = with_new_fields_at_default(checkpoint["config"])

@@ -96,8 +96,8 @@ TINY = dict(
 
 
 # A run's last console line: how it ended, and where its log is.
-SUMMARY = re.compile(r"(val_loss \d+\.\d{4} at step \d+/\d+ (reached|missed) the target \S+|no validation ran \(target \S+\)); "
-                     r"(train time \d+\.\d s|stopped in step \d+/\d+); log /\S+\.txt")
+SUMMARY = re.compile(r"(val_loss \d+\.\d{4} (reached|missed) the target \S+|stopped at step \d+/\d+: target \S+ not reached"
+                     r"( \(last val_loss \S+ at step \d+\))?)(; train time \d+\.\d s)?; log /\S+\.txt")
 
 
 def before_summary(out):

@@ -143,7 +143,9 @@ def test_diverged_run_exits_4_with_one_line_and_a_complete_log(tmp_path, make_sh
     body = only_log(log_dir).splitlines()
     assert body[-2] == "diverged at step 2/20: train loss is nan (stopped at step 5)"
     assert PEAK.match(body[-1])
-    assert before_summary(capsys.readouterr().out)[-2:] == body[-2:]
+    out = capsys.readouterr().out
+    assert before_summary(out)[-2:] == body[-2:]
+    assert out.splitlines()[-1].startswith("stopped at step 5/20: target 6.0 not reached; train time ")  # no verdict
     assert signal.getsignal(signal.SIGINT) is handler_before  # main() put the caller's handler back
 
 

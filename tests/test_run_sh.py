@@ -81,7 +81,8 @@ def test_a_resume_over_several_cpu_processes_keeps_the_checkpoints_micro_batches
                                   (["--resume=run.pt"], {}, "--micro_batches=4 "),
                                   ([], {"RESUME": "run.pt"}, "--micro_batches=4 "),
                                   (["--resume", "run.pt"], {"MICRO_BATCHES": "2"}, "--micro_batches=2 "),
-                                  ([], {}, "--micro_batches=2 ")]:
+                                  ([], {}, "--micro_batches=2 "),
+                                  (["--micro-batches", "4"], {}, "--micro_batches=4 ")]:  # the user's, spelt either way
         proc = subprocess.run([str(ROOT / "run.sh"), *args, "--help"], cwd=tmp_path, env=dict(env, **extra),
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0 and expected in proc.stdout, (args, extra, proc.stderr[-2000:])

@@ -449,6 +449,10 @@ def test_a_copy_of_train_gpt_outside_the_repository_says_where_its_default_data_
                            "match (the default data lies in data/ beside train_gpt.py: keep a fork beside data/, or "
                            "set --train_files)\n")
     assert not (tmp_path / "logs").exists()
+    # what needs harness/ says so before anything starts
+    done = subprocess.run([sys.executable, str(fork), "--sample=x.pt"], capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path)
+    assert (done.returncode, done.stderr) == (2, "train_gpt.py: error: --sample: needs harness/ beside train_gpt.py\n")
 
 
 def test_bad_token_in_a_late_shard_stops_before_training(make_shards):
@@ -513,7 +517,7 @@ def test_the_console_shows_an_eta_and_ends_by_saying_how_the_run_went(tmp_path, 
     logged = [line for line in log.read_text().splitlines() if line.startswith("step:")]
     assert [line.split(" eta:")[0] for line in steps] == [line for line in logged if "val_loss" not in line]
     final = float(re.search(r"^step:3/3 val_loss:(\d+\.\d+) ", log.read_text(), re.M)[1])
-    assert out[-1] == (f"val_loss {final:.4f} at step 3/3 reached the target 20.0; train time "
+    assert out[-1] == (f"val_loss {final:.4f} reached the target 20.0; train time "
                        f"{out[-1].split('train time ')[1].split(' s;')[0]} s; log {log.resolve()}")
     assert os.path.isabs(out[-1].split("; log ")[1])
     argv[-1] = "--target_val_loss=1.0"
