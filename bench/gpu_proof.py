@@ -1014,7 +1014,7 @@ def check_compile(rec, tg, torch, cuda):
     # Small: the graphs do not depend on sizes, and torch._scaled_mm on a CPU can be a scalar loop
     # (17 ns per multiply-add on a Sapphire Rapids VM: 75 s per scope at 256 tokens of width 64).
     cpu_argv = layout + ["--device", "cpu", "--model_dim", "32", "--num_heads", "2", "--head_dim", "16",
-                         "--attn_block_size", "32", "--train_seq_len", "64", "--val_seq_len", "128"]
+                         "--attn_block_size", "32", "--train_seq_len", "32", "--val_seq_len", "128"]
     table = rec.table("torch.compile of the model for training (model.compile_for_training, backend aot_eager: "
                       "graph capture and AOT backward, no code generation, except the FP8 op bodies, which "
                       "train_gpt.py compiles with inductor on CUDA; the train phase counts the "

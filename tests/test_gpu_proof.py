@@ -393,7 +393,7 @@ def test_a_run_cut_by_the_budget_leaves_the_phase_partial_with_its_figures(tmp_p
     so far are its figures, the phase is partial, not failed, and a note says where it was cut."""
     out = tmp_path / "out"
     result = run("--cpu-smoke", "--phases", "train", "--steps", "3000", "--profile", "none", "--variants", "",
-                 "--budget", "train=45", "--out", str(out), timeout=120)
+                 "--budget", "train=30", "--out", str(out), timeout=120)
     train = json.loads((out / "report.json").read_text())["phases"]["train"]
     assert result.returncode == 1 and train["status"] == "partial" and not train["errors"], result.stdout
     main = train["values"]["main"]
