@@ -249,17 +249,19 @@ def parse_args(argv):
         opts.main_flags = as_pairs(shlex.split(opts.main_flags))
     except ValueError as e:  # shlex: an unclosed quote
         p.error(f"--variants/--main-flags: {e}")
-    for option, flag_sets in (("--main-flags", [opts.main_flags]), ("--variants", opts.variants)):
-        for flags in flag_sets:
-            names = flags[::2]
-            if len(flags) % 2 or not all(n.startswith("--") for n in names):
-                p.error(f"{option}: {' '.join(flags)!r}: expected trainer flags as '--name value' pairs")
-            reserved = [n for n in names if n[2:].replace("-", "_") in PROOF_SETS]
-            if reserved:
-                p.error(f"{option}: {reserved[0]}: the proof sets it (use --steps, --ns-methods)")
-            problem = flags and trainer_config_error(flags, opts.cpu_smoke)
-            if problem:
-                p.error(f"{option}: {' '.join(flags)!r}: {problem}")
+    given = [(option, flags) for option, flag_sets in (("--main-flags", [opts.main_flags]), ("--variants", opts.variants))
+             for flags in flag_sets if flags]
+    for option, flags in given:
+        names = flags[::2]
+        if len(flags) % 2 or not all(n.startswith("--") for n in names):
+            p.error(f"{option}: {' '.join(flags)!r}: expected trainer flags as '--name value' pairs")
+        reserved = [n for n in names if n[2:].replace("-", "_") in PROOF_SETS]
+        if reserved:
+            p.error(f"{option}: {reserved[0]}: the proof sets it (use --steps, --ns-methods)")
+    problems = trainer_config_errors([flags for _, flags in given], opts.cpu_smoke) if given else []
+    for (option, flags), problem in zip(given, problems):
+        if problem:
+            p.error(f"{option}: {' '.join(flags)!r}: {problem}")
     if opts.kernel_gpus is not None:
         worlds = [x.strip() for x in opts.kernel_gpus.split(",")]
         if not worlds or any(w not in ("1", "8") for w in worlds) or len(set(worlds)) < len(worlds):
@@ -312,22 +314,26 @@ def trainer_switches():
     return set(re.findall(r"^    (\w+): bool = ", fields, re.M))
 
 
-def trainer_config_error(flags, cpu_smoke):
-    """What train_gpt.py says of a train run's configuration with these flags (None: nothing), asked
-    in a child process (torch is slow to load here), so that a bad value fails now, not after the
-    main run has spent minutes of the GPU."""
+def trainer_config_errors(flag_sets, cpu_smoke):
+    """What train_gpt.py says of a train run's configuration with each set of flags (None: nothing),
+    asked in one child process (torch is slow to load here), so that a bad value fails now, not
+    after the main run has spent minutes of the GPU."""
     base = SMOKE_TRAINER_ARGV if cpu_smoke else ["--preset", "speedrun"]
-    code = ("import sys, train_gpt\n"
-            "try:\n"
-            f"    train_gpt.harness('config').parse_config(sys.argv[1:], {{}}, world_size=1, cuda_available={not cpu_smoke})\n"
-            "except train_gpt.ConfigError as e:\n"
-            "    print(e)\n")
+    code = ("import json, sys, train_gpt\n"
+            "said = []\n"
+            "for flags in json.loads(sys.argv[1]):\n"
+            "    try:\n"
+            f"        train_gpt.harness('config').parse_config(flags, {{}}, world_size=1, cuda_available={not cpu_smoke})\n"
+            "        said.append(None)\n"
+            "    except train_gpt.ConfigError as e:\n"
+            "        said.append(str(e))\n"
+            "print(json.dumps(said))\n")
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1")
-    done = subprocess.run([sys.executable, "-c", code, *base, *flags], cwd=REPO_ROOT, env=env, capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", code, json.dumps([base + list(f) for f in flag_sets])], cwd=REPO_ROOT,
+                          env=env, capture_output=True, text=True, timeout=120)
     if done.returncode != 0:
-        return f"train_gpt.py did not load: {(done.stderr.strip().splitlines() or ['?'])[-1]}"
-    return done.stdout.strip() or None
+        return [f"train_gpt.py did not load: {(done.stderr.strip().splitlines() or ['?'])[-1]}"] * len(flag_sets)
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def cuda_visible():

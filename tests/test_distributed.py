@@ -283,7 +283,7 @@ def test_world_size_one_issues_no_collective(equivalence_runs):
 # The speedrun's layout at a CPU's width: 12 blocks, no attention in block 7, 3 value embeddings,
 # 8 micro-batches over 8 ranks, Muon buckets of 8 matrices (the 11 gates: a second bucket where 5
 # ranks own only padding; the 11 qkvo parameters' 44 matrices: 4 of padding in the sixth bucket).
-SPEEDRUN_LAYOUT = dict(EQUIVALENCE, micro_batches=8, num_iterations=4, num_layers=12, attention_free_layers="7",
+SPEEDRUN_LAYOUT = dict(EQUIVALENCE, micro_batches=8, num_iterations=2, num_layers=12, attention_free_layers="7",
                        num_value_embeds=3, window_pattern="LSSSLSSLSSSL", muon_bucket_matrices=8, vocab_size=50304)
 
 
@@ -298,7 +298,7 @@ def test_eight_ranks_train_the_speedrun_layout_as_one_process_does(tmp_path):
     argv = tiny_argv(train_files=str(tmp_path / "d_train_*.bin"), val_files=str(tmp_path / "d_val_*.bin"),
                      **SPEEDRUN_LAYOUT)
     single, eight = run_world(1, argv, tmp_path), run_world(8, argv, tmp_path)
-    assert single["losses"][-1] < single["losses"][0] - 0.1  # it is training, not idling
+    assert single["losses"][-1] < single["losses"][0] - 0.02  # it is training, not idling (2 steps: 10.83 -> 10.79)
     assert eight["losses"] == pytest.approx(single["losses"], rel=LOSS_RTOL)
     bounds = movement_bounds(argv)
     assert set(bounds) == set(single["params"]) == set(eight["params"])
