@@ -637,6 +637,7 @@ def tokenize_or_wait(text):  # the worker that gets STUCK holds its task until i
         time.sleep(3600)
     return tokenize(text)
 fineweb._tokenize_document = tokenize_or_wait
+fineweb.imap_while_workers_live.__defaults__ = (1, 0.25, 2.0)  # a lost task waits 2 s here (grace_s), not 10
 fineweb.main(["--out", {out!r}, "--shard-size", "5000", "--workers", "2"])
 """
 
