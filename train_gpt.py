@@ -80,6 +80,8 @@ class Hyperparameters:
     attn_block_size: int = 128          # FlexAttention block; windows are whole blocks
     window_pattern: str = "LSSSLSSLSSSL"  # per block: L long window, S short window (= long/2)
     window_growth_tokens: int = 1728    # long window: this x training progress, rounded up to whole blocks (>= 1)
+    window_schedule: str = ""           # "3,7,11": long window in blocks per equal part of the scheduled steps, not grown
+    window_final_blocks: int = 0        # long window over the extension steps (0: window_schedule's last)
     fp8_head: bool = True               # FP8 lm_head where the GPU supports it (off on CPU and pre-Ada GPUs)
     bf16_embeds: bool = True            # embeddings, value embeddings and their Adam moments in bf16
     compile: bool = True                # torch.compile the model (--compile_scope: in how many graphs), the orthogonalizer
@@ -87,8 +89,10 @@ class Hyperparameters:
     compile_adam: bool = False          # compile Adam's update: bf16 rounded where stored only (the record's is eager)
     # optimization
     num_iterations: int = 1695          # training steps
-    cooldown_frac: float = 0.45         # lr constant, then linear decay over this final fraction
-    final_lr_frac: float = 0.1          # lr multiplier reached at the last step
+    extension_steps: int = 0            # the last N of them run past the schedules: lr at final_lr_frac, final window
+    lr_plateaus: str = "1"              # "1,1.52,1.73": lr factor before the cooldown, per equal part of the scheduled steps
+    cooldown_frac: float = 0.45         # lr constant, then linear decay over this final fraction of the scheduled steps
+    final_lr_frac: float = 0.1          # lr multiplier reached at the last scheduled step
     adam_lr: float = 0.008              # Adam learning rate, times the *_lr_mult below per parameter kind
     adam_beta1: float = 0.8             # Adam first-moment decay
     adam_beta2: float = 0.95            # Adam second-moment decay
@@ -101,6 +105,7 @@ class Hyperparameters:
     muon_momentum_start: float = 0.85   # Muon momentum at step 0 ...
     muon_momentum_end: float = 0.95     # ... rising linearly to this
     muon_momentum_warmup_steps: int = 300  # ... over this many steps
+    muon_momentum_cooldown_steps: int = 0  # ... and back down to muon_momentum_start over the last N steps
     muon_bucket_matrices: int = 8       # matrices per gradient reduce-scatter (rounded up to a multiple of world size)
     matrix_optimizer: str = "muon"      # muon, or adam: block matrices on Adam too (the baseline for Muon)
     matrix_lr_mult: float = 1.0         # with matrix_optimizer=adam the block matrices train at adam_lr * this
@@ -1528,19 +1533,42 @@ def resolve_data_files(args):
 # run at the next check (every check_every steps and before validations, by all ranks together).
 
 # --- the schedules, by step ----------------------------------------------------------------------
-def lr_factor_at(step, args):  # constant, then linear to final_lr_frac over the last cooldown_frac
-    progress = step / args.num_iterations
-    if progress < 1 - args.cooldown_frac or args.cooldown_frac == 0:
-        return 1.0
-    w = (1 - progress) / args.cooldown_frac
-    return w + (1 - w) * args.final_lr_frac
+# Progress runs over the scheduled steps: num_iterations less the extension_steps that follow them.
 
-def muon_momentum_at(step, args):
-    frac = min(step / args.muon_momentum_warmup_steps, 1.0) if args.muon_momentum_warmup_steps else 1.0
-    return (1 - frac) * args.muon_momentum_start + frac * args.muon_momentum_end
+def _numbers(text, kind=float):  # "1,1.52,1.73" -> [1.0, 1.52, 1.73]
+    return [kind(x) for x in text.split(",") if x.strip()]
+
+def lr_factor_at(step, args):
+    """The plateau of the step's part of the schedule, then linear to final_lr_frac over the last
+    cooldown_frac, which holds after the scheduled steps."""
+    progress = step / (args.num_iterations - args.extension_steps)
+    if progress > 1:
+        return args.final_lr_frac
+    plateaus = _numbers(args.lr_plateaus)
+    peak = plateaus[sum(progress > k / len(plateaus) for k in range(1, len(plateaus)))]
+    if progress < 1 - args.cooldown_frac or args.cooldown_frac == 0:
+        return peak
+    w = (1 - progress) / args.cooldown_frac
+    return peak * w + (1 - w) * args.final_lr_frac
+
+def muon_momentum_at(step, args):  # up from start to end over the warmup, back down over the cooldown
+    start, end = args.muon_momentum_start, args.muon_momentum_end
+    if step < args.muon_momentum_warmup_steps:
+        return (1 - step / args.muon_momentum_warmup_steps) * start + step / args.muon_momentum_warmup_steps * end
+    cooldown_start = args.num_iterations - args.muon_momentum_cooldown_steps
+    if args.muon_momentum_cooldown_steps and step > cooldown_start:
+        return end - (step - cooldown_start) / args.muon_momentum_cooldown_steps * (end - start)
+    return end
 
 def long_window_blocks_at(step, args):
-    """window_growth_tokens x progress in whole blocks, at least one (the record's 1 to 14)."""
+    """window_schedule's entry for the step's part of the scheduled steps (window_final_blocks after
+    them); without one, window_growth_tokens x progress in whole blocks, at least one (1 to 14)."""
+    scheduled = args.num_iterations - args.extension_steps
+    if args.window_schedule:
+        blocks = _numbers(args.window_schedule, int)
+        if step >= scheduled:
+            return args.window_final_blocks or blocks[-1]
+        return blocks[int(len(blocks) * (step / scheduled))]
     tokens = args.window_growth_tokens * (step / args.num_iterations)
     return max(1, int(-(-tokens // args.attn_block_size)))  # float floor division is exact: a true ceiling
 

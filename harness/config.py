@@ -341,6 +341,22 @@ def check_config(args, world_size, cuda_available):
     for name in ["val_every", "warmup_steps", "threads", "num_value_embeds", "muon_momentum_warmup_steps",
                  "weight_decay", "checkpoint_every", "max_new_tokens", "temperature", "top_k"]:
         need(getattr(args, name) >= 0, f"--{name}={getattr(args, name)}: must not be negative")
+    for name in ["extension_steps", "window_final_blocks", "muon_momentum_cooldown_steps"]:
+        need(getattr(args, name) >= 0, f"--{name}={getattr(args, name)}: must not be negative")
+    need(args.extension_steps < args.num_iterations,
+         f"--extension_steps={args.extension_steps}: must be below num_iterations={args.num_iterations}")
+    need(args.muon_momentum_cooldown_steps <= args.num_iterations,
+         f"--muon_momentum_cooldown_steps={args.muon_momentum_cooldown_steps}: must not exceed "
+         f"num_iterations={args.num_iterations}")
+    for name, kind, what in [("lr_plateaus", float, "positive numbers"), ("window_schedule", int, "positive integers")]:
+        text = getattr(args, name)
+        try:
+            values = tg._numbers(text, kind)
+        except ValueError:
+            values = None
+        may_be_empty = name == "window_schedule"  # empty: the window grows (window_growth_tokens)
+        need(values is not None and (values or may_be_empty) and all(0 < v < math.inf for v in values),
+             f"--{name}={text!r}: expected comma-separated {what}")
     for name in ["cooldown_frac", "final_lr_frac"]:
         value = getattr(args, name)
         need(0.0 <= value <= 1.0, f"--{name}={value}: must lie in [0, 1]")

@@ -118,14 +118,28 @@ def test_training_lowers_the_loss_and_warmup_changes_nothing(make_shards):
     assert warm.val_losses == cold.val_losses
 
 
-def test_each_step_trains_with_the_schedules_at_its_own_step(make_shards, monkeypatch):
+# The first: the lr cools down over the whole run, the momentum ramps over three of its four steps
+# and TINY's long window grows by a block a step. The second, the 2026-01-19 record's kind: two lr
+# plateaus and windows over 4 scheduled steps, then 2 extension steps at the final lr and window,
+# the momentum ramping up over 2 steps and down over the last 2.
+SCHEDULES = {
+    "grown": (dict(num_iterations=4, val_every=2, micro_batches=1, cooldown_frac=1.0, muon_momentum_warmup_steps=3),
+              None, [1, 1, 2, 3]),
+    "staged": (dict(num_iterations=6, extension_steps=2, val_every=2, micro_batches=1, lr_plateaus="1,2",
+                    cooldown_frac=0.5, muon_momentum_warmup_steps=2, muon_momentum_cooldown_steps=2,
+                    window_schedule="1,2", window_final_blocks=3),
+               ([1, 1, 1, 1.05, 0.1, 0.1], [0.85, 0.9, 0.95, 0.95, 0.95, 0.9]), [1, 1, 2, 2, 3, 3]),
+}
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_each_step_trains_with_the_schedules_at_its_own_step(make_shards, monkeypatch, schedule):
     """train() gives step s (counted from 0) the learning-rate factor, Muon momentum and long
     attention window the schedules give at s, and validates at step s with the window at s: the
     schedule tests pin the functions, this pins the step the loop passes them (s + 1, the count
     once the step is done, would run the whole run one step ahead). on_step(s, ...) runs once s
-    steps are done, so it sees the values step s - 1 trained with. Here the lr cools down over
-    the whole run, the momentum ramps over three of its four steps, and TINY's long window grows by
-    a block a step, so an off-by-one changes each."""
+    steps are done, so it sees the values step s - 1 trained with. Each schedule moves from step to
+    step (SCHEDULES), so an off-by-one changes each."""
     forward = train_gpt.GPT.forward
     windows = []  # (in training?, long window in blocks) of each forward pass, in order
 
@@ -134,7 +148,7 @@ def test_each_step_trains_with_the_schedules_at_its_own_step(make_shards, monkey
         return forward(self, tokens, targets, long_window_blocks)
     monkeypatch.setattr(train_gpt.GPT, "forward", recording_forward)
     seen = []  # (steps done, lr factor, Muon momentum) after each optimizer step
-    config = dict(num_iterations=4, val_every=2, micro_batches=1, cooldown_frac=1.0, muon_momentum_warmup_steps=3)
+    config, values, expected_blocks = SCHEDULES[schedule]
     result = in_process(make_shards(), **config, on_step=lambda step, model, optimizer: seen.append(
         (step, optimizer.lr_factor, optimizer.muon_momentum)))
     args = train_gpt.Hyperparameters(**dict(TINY, **config))
@@ -142,11 +156,15 @@ def test_each_step_trains_with_the_schedules_at_its_own_step(make_shards, monkey
     lr = [train_gpt.lr_factor_at(s, args) for s in trained]
     momentum = [train_gpt.muon_momentum_at(s, args) for s in trained]
     blocks = [train_gpt.long_window_blocks_at(s, args) for s in trained]
-    assert len(set(lr)) == 4 and len(set(momentum)) == 4 and blocks == [1, 1, 2, 3]  # each schedule moves
+    assert blocks == expected_blocks
+    if values is None:
+        assert len(set(lr)) == 4 and len(set(momentum)) == 4
+    else:
+        assert (lr, momentum) == (pytest.approx(values[0]), pytest.approx(values[1]))
     assert seen == [(s + 1, lr[s], momentum[s]) for s in trained]
     assert [w for training, w in windows if training] == blocks  # one micro-batch: one forward a step
     per_validation = TINY["val_tokens"] // TINY["val_seq_len"]
-    assert [step for step, _ in result.val_losses] == [0, 2, 4]
+    assert [step for step, _ in result.val_losses] == list(range(0, config["num_iterations"] + 1, 2))
     assert [w for training, w in windows if not training] == [
         train_gpt.long_window_blocks_at(step, args) for step, _ in result.val_losses for _ in range(per_validation)]
 
