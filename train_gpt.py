@@ -63,6 +63,8 @@ class Hyperparameters:
     val_files: str = "data/fineweb10B/fineweb_val_*.bin"      # glob of validation shards
     val_tokens: int = 10_485_760        # the first val_tokens tokens of the validation shards
     train_seq_len: int = 48 * 1024      # tokens per rank per micro-batch
+    train_seq_len_schedule: str = ""    # "16384,32768,49152": train_seq_len per equal part of the scheduled steps (packed)
+    train_max_doc_len: int = 0          # >0: micro-batches pack documents cut at this length (2048); 0: windows from a BOS
     val_seq_len: int = 4 * 64 * 1024    # tokens per rank per validation step
     micro_batches: int = 8              # micro-batches per step over all ranks; world size must divide it
     # model
@@ -187,6 +189,9 @@ def parse_ns_coeffs(text: str) -> list | None:  # --ns_coeffs "a,b,c;a,b,c" -> [
 
 def _layer_list(text):
     return [int(x) for x in text.split(",") if x.strip()]
+
+def _numbers(text, kind=float):  # "1,1.52,1.73" -> [1.0, 1.52, 1.73]
+    return [kind(x) for x in text.split(",") if x.strip()]
 
 def run_folder(args):  # where a run's log (and checkpoint) goes; the default records/ is this repository's
     root = os.path.join(REPO_DIR, args.log_dir) if args.log_dir == Hyperparameters.log_dir else args.log_dir
@@ -1236,7 +1241,8 @@ class GPT(nn.Module):
         super().__init__()
         self.args, self.hw = args, hw
         V, D, L = args.vocab_size, args.model_dim, args.num_layers
-        self.rotary = Rotary(args.head_dim, max(args.train_seq_len, args.val_seq_len), args.rotary_base)
+        longest = max(_numbers(args.train_seq_len_schedule, int) + [args.train_seq_len, args.val_seq_len])
+        self.rotary = Rotary(args.head_dim, longest, args.rotary_base)
         self.embed = nn.Embedding(V, D)
         self.value_embeds = nn.ModuleList(nn.Embedding(V, D) for _ in range(args.num_value_embeds))
         if args.bf16_embeds:  # as in the record: half the memory and half the bytes on the wire
@@ -1400,19 +1406,14 @@ class LoadedShard:
 def step_room(windows_per_step, seq_len):  # beyond a step's first position: the record's margin
     return 2 * windows_per_step * seq_len + 1
 
-class TrainBatches:
-    """BOS-aligned training windows, a step's worth from one shard, dealt out to ranks in global order."""
-    def __init__(self, files, seq_len, rank, world_size, pin_memory=False, windows_per_step=1, start=None):
-        """start: a checkpoint's state() to continue from, over the same files."""
-        self.files, self.seq_len, self.rank, self.world_size = list(files), seq_len, rank, world_size
-        self.pin_memory, self.windows_per_step = pin_memory, windows_per_step
+class ShardQueue:
+    """The training shards in name order, the next one read in a thread while this one is used."""
+    def __init__(self, files, rank, world_size, pin_memory, first_shard):
+        self.files, self.rank, self.world_size, self.pin_memory = list(files), rank, world_size, pin_memory
         self._pool = ThreadPoolExecutor(max_workers=1)
-        start = start or dict(shard=0, cursor=0, windows_taken=0)
-        self._next_file = start["shard"]
+        self._next_file = first_shard
         self._shard = self._load_next()  # synchronous: a bad first shard fails before training
         self._prefetch = self._submit_next()
-        # the next window starts at the first BOS at or after _cursor; _step_start: where this step began
-        self._cursor, self.windows_taken, self._step_start = start["cursor"], start["windows_taken"], None
 
     def _load_next(self):
         self._next_file += 1
@@ -1421,13 +1422,34 @@ class TrainBatches:
     def _submit_next(self):
         return self._pool.submit(self._load_next) if self._next_file < len(self.files) else None
 
-    def _advance_shard(self):
+    def _advance_shard(self, taken):
         if self._prefetch is None:
-            raise DataExhausted(f"training data ran out after {self.windows_taken} windows of {self.seq_len} tokens "
-                                f"({len(self.files)} shard(s), last {self.files[-1]}); download more shards with "
-                                "`python data/cached_fineweb10B.py N` or lower --num_iterations")
+            raise DataExhausted(f"training data ran out after {taken} ({len(self.files)} shard(s), last "
+                                f"{self.files[-1]}); download more shards with `python data/cached_fineweb10B.py N` "
+                                "or lower --num_iterations")
         self._shard = self._prefetch.result()
-        self._prefetch, self._cursor = self._submit_next(), 0
+        self._prefetch = self._submit_next()
+
+    def close(self):
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def _position(self, shard, **more):  # for checkpoints: the shard by index, name and length
+        return dict(shard=self.files.index(shard.path), file=os.path.basename(shard.path),
+                    tokens=shard.tokens.numel(), **more)
+
+class TrainBatches(ShardQueue):
+    """BOS-aligned training windows, a step's worth from one shard, dealt out to ranks in global order."""
+    def __init__(self, files, seq_len, rank, world_size, pin_memory=False, windows_per_step=1, start=None):
+        """start: a checkpoint's state() to continue from, over the same files."""
+        start = start or dict(shard=0, cursor=0, windows_taken=0)
+        super().__init__(files, rank, world_size, pin_memory, start["shard"])
+        self.seq_len, self.windows_per_step = seq_len, windows_per_step
+        # the next window starts at the first BOS at or after _cursor; _step_start: where this step began
+        self._cursor, self.windows_taken, self._step_start = start["cursor"], start["windows_taken"], None
+
+    def _advance_shard(self):
+        super()._advance_shard(f"{self.windows_taken} windows of {self.seq_len} tokens")
+        self._cursor = 0
 
     def _next_bos(self, position):  # index into the shard's BOS positions of the first one at or after position
         return int(torch.searchsorted(self._shard.bos, position))
@@ -1456,18 +1478,15 @@ class TrainBatches:
                 return shard.tokens[start:start + self.seq_len + 1]
             self._advance_shard()  # no whole window left: a shard without a BOS, or a step outgrew its budget
 
-    def close(self):
-        self._pool.shutdown(wait=True, cancel_futures=True)
-
     def state(self):
         """The stream position for checkpoints (every rank's); after data ran out mid-step, that step's start."""
         shard, cursor, taken = self._shard, self._cursor, self.windows_taken
         if taken % self.windows_per_step and self._step_start is not None:
             shard, cursor, taken = self._step_start
-        return dict(shard=self.files.index(shard.path), file=os.path.basename(shard.path),
-                    tokens=shard.tokens.numel(), cursor=cursor, windows_taken=taken)
+        return self._position(shard, cursor=cursor, windows_taken=taken)
 
-    def next_batch(self, device):  # this rank's next (inputs, targets): one window out of every world_size
+    def next_batch(self, device, seq_len):  # this rank's next (inputs, targets): one window out of every world_size
+        assert seq_len == self.seq_len  # (a train_seq_len_schedule needs PackedBatches: harness/config.py)
         mine = None
         for r in range(self.world_size):
             window = self._next_window()
@@ -1476,6 +1495,70 @@ class TrainBatches:
                 mine = window
         mine = mine.to(device, non_blocking=True).to(torch.int64)
         return mine[:-1], mine[1:]
+
+class PackedBatches(ShardQueue):
+    """The 2026-01-19 record's batches: documents from successive BOS tokens, each cut at
+    max_doc_len, packed into chunks of exactly seq_len + 1 tokens (the last document cut to fit, the
+    rest of it skipped). A step's chunks_per_step chunks come from one shard, or the next shard
+    starts them afresh, and are dealt out to ranks in global order: every world size trains on the
+    token stream the record's 8 GPUs read (its loader at 8 GPUs fills a step in one call)."""
+    def __init__(self, files, max_doc_len, rank, world_size, pin_memory=False, chunks_per_step=1, start=None):
+        start = start or dict(shard=0, doc=0, chunks_taken=0)
+        super().__init__(files, rank, world_size, pin_memory, start["shard"])
+        self.max_doc_len, self.chunks_per_step = max_doc_len, chunks_per_step
+        self._bos = self._shard.bos.tolist()
+        # _doc: the index among the shard's BOS positions of the next document; _step: this step's
+        # chunks as (start, end) token ranges, and where the step began
+        self._doc, self.chunks_taken, self._step, self._step_start = start["doc"], start["chunks_taken"], [], None
+
+    def _advance_shard(self):
+        super()._advance_shard(f"{self.chunks_taken} chunks")
+        self._bos, self._doc = self._shard.bos.tolist(), 0
+
+    def _plan_step(self, seq_len):
+        while True:
+            bos, size, doc, chunks = self._bos, self._shard.tokens.numel(), self._doc, []
+            while len(chunks) < self.chunks_per_step and doc < len(bos):
+                ranges, length = [], 0
+                while length <= seq_len and doc < len(bos):
+                    start = bos[doc]
+                    end = min(bos[doc + 1] if doc + 1 < len(bos) else size, start + self.max_doc_len,
+                              start + seq_len + 1 - length)
+                    ranges.append((start, end))
+                    length, doc = length + end - start, doc + 1
+                if length == seq_len + 1:
+                    chunks.append(ranges)
+            if len(chunks) == self.chunks_per_step:
+                self._doc = doc
+                return chunks
+            self._advance_shard()  # too few documents left for the step (the record drops them too)
+
+    def state(self):
+        """As TrainBatches.state: mid-step, the step's start (its chunks are planned again from there)."""
+        shard, doc, taken = self._shard, self._doc, self.chunks_taken
+        if taken % self.chunks_per_step and self._step_start is not None:
+            shard, doc, taken = self._step_start
+        return self._position(shard, doc=doc, chunks_taken=taken)
+
+    def next_batch(self, device, seq_len):  # this rank's next (inputs, targets), seq_len tokens each
+        if self.chunks_taken % self.chunks_per_step == 0:
+            self._step_start = (self._shard, self._doc, self.chunks_taken)
+            self._step = self._plan_step(seq_len)
+        mine = self._step[self.chunks_taken % self.chunks_per_step + self.rank]
+        self.chunks_taken += self.world_size
+        tokens = self._shard.tokens
+        mine = torch.cat([tokens[start:end] for start, end in mine]).to(device, non_blocking=True).to(torch.int64)
+        return mine[:-1], mine[1:]
+
+def bigram_hash(tokens, table_size):
+    """Each position's row in the bigram table: (36313 x token XOR 27191 x previous token) mod
+    (table_size - 1), the last row for the first position (it has no previous token). Documents
+    are not told apart (the record: masking cost time and gained nothing). In int32, as the record,
+    where position 1's previous token is already that last row's id (its product wraps)."""
+    x, mod = tokens.to(torch.int32).clone(), table_size - 1
+    x[0] = mod
+    x[1:] = torch.bitwise_xor(36313 * x[1:], 27191 * x[:-1]) % mod
+    return x
 
 def load_val_tokens(files, count, pin_memory=False):  # the first count+1 tokens of the validation shards
     parts, need = [], count + 1
@@ -1535,9 +1618,6 @@ def resolve_data_files(args):
 # --- the schedules, by step ----------------------------------------------------------------------
 # Progress runs over the scheduled steps: num_iterations less the extension_steps that follow them.
 
-def _numbers(text, kind=float):  # "1,1.52,1.73" -> [1.0, 1.52, 1.73]
-    return [kind(x) for x in text.split(",") if x.strip()]
-
 def lr_factor_at(step, args):
     """The plateau of the step's part of the schedule, then linear to final_lr_frac over the last
     cooldown_frac, which holds after the scheduled steps."""
@@ -1560,15 +1640,20 @@ def muon_momentum_at(step, args):  # up from start to end over the warmup, back 
         return end - (step - cooldown_start) / args.muon_momentum_cooldown_steps * (end - start)
     return end
 
+def _staged(step, scheduled, values, final):  # values[k] over the k-th equal part of the scheduled steps, then final
+    return final if step >= scheduled else values[int(len(values) * (step / scheduled))]
+
+def train_seq_len_at(step, args):  # the batch size schedule, per micro-batch
+    lengths = _numbers(args.train_seq_len_schedule, int) or [args.train_seq_len]
+    return _staged(step, args.num_iterations - args.extension_steps, lengths, lengths[-1])
+
 def long_window_blocks_at(step, args):
     """window_schedule's entry for the step's part of the scheduled steps (window_final_blocks after
     them); without one, window_growth_tokens x progress in whole blocks, at least one (1 to 14)."""
-    scheduled = args.num_iterations - args.extension_steps
-    if args.window_schedule:
-        blocks = _numbers(args.window_schedule, int)
-        if step >= scheduled:
-            return args.window_final_blocks or blocks[-1]
-        return blocks[int(len(blocks) * (step / scheduled))]
+    blocks, final, scheduled = _numbers(args.window_schedule, int), args.window_final_blocks, \
+        args.num_iterations - args.extension_steps
+    if blocks:
+        return _staged(step, scheduled, blocks, final or blocks[-1])
     tokens = args.window_growth_tokens * (step / args.num_iterations)
     return max(1, int(-(-tokens // args.attn_block_size)))  # float floor division is exact: a true ceiling
 
@@ -1769,12 +1854,13 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
         return result
 
     def train_step(step, next_batch):
+        seq_len = train_seq_len_at(step, args)
         optimizer.lr_factor = lr_factor_at(step, args)
         optimizer.muon_momentum = muon_momentum_at(step, args)
         window = window_sizes[long_window_blocks_at(step, args)]
         loss_sum = torch.zeros((), device=hw.device)
         for micro in range(accum_steps):
-            inputs, targets = next_batch()
+            inputs, targets = next_batch(seq_len)
             if micro == accum_steps - 1 and args.overlap_comms:
                 optimizer.arm_for_final_backward()
             loss = model(inputs, targets, window)  # summed over the micro-batch's tokens
@@ -1782,7 +1868,7 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
             loss_sum += loss.detach()
         optimizer.step()
         optimizer.zero_grad()
-        return loss_sum / (accum_steps * args.train_seq_len)
+        return loss_sum / (accum_steps * seq_len)
 
     @torch.no_grad()
     def validate(step):
@@ -1802,8 +1888,8 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
             "Compiling Adam's update and warming up kernels" if args.compile_adam else "Warming up kernels")
         initial_params = {k: v.detach().clone() for k, v in model.state_dict().items()}
         rng = torch.Generator().manual_seed(args.seed + 1)  # not the model's stream
-        def random_batch():
-            tokens = torch.randint(0, BOS_TOKEN, (args.train_seq_len + 1,), generator=rng)
+        def random_batch(seq_len):
+            tokens = torch.randint(0, BOS_TOKEN, (seq_len + 1,), generator=rng)
             tokens[0] = BOS_TOKEN
             tokens = tokens.to(hw.device)  # inputs and targets view one buffer, as the loader's batches
             return tokens[:-1], tokens[1:]
@@ -1876,8 +1962,11 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
                     break
                 try:
                     if batches is None:  # reads and indexes the first shard, starts the prefetch thread
-                        batches = TrainBatches(train_files, args.train_seq_len, ranks.rank, ranks.world_size, pin,
-                                               windows_per_step=args.micro_batches, start=resumed_loader)
+                        batches = (PackedBatches(train_files, args.train_max_doc_len, ranks.rank, ranks.world_size,
+                                                 pin, chunks_per_step=args.micro_batches, start=resumed_loader)
+                                   if args.train_max_doc_len else
+                                   TrainBatches(train_files, args.train_seq_len, ranks.rank, ranks.world_size, pin,
+                                                windows_per_step=args.micro_batches, start=resumed_loader))
                     step_losses.append(train_step(step, functools.partial(batches.next_batch, hw.device)))
                 except DataExhausted as e:
                     result.stopped_early = str(e)

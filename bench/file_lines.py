@@ -104,4 +104,7 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    try:
+        sys.exit(main(sys.argv))
+    except BrokenPipeError:  # `| head`: a reader that has gone is no error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

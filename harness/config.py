@@ -259,17 +259,21 @@ def data_shortfall(files, args, without_bos=()):
     warnings = [f"warning: {len(without_bos)} training shard(s) hold no BOS token ({tg.BOS_TOKEN}) and are passed over, "
                 f"the first {without_bos[0]}"] if without_bos else []
     sizes = [tg.read_shard_header(f) for f in files]
-    room = tg.step_room(args.micro_batches, args.train_seq_len)  # TrainBatches._room_for_a_step at a shard's start
+    seq_len = max(tg.train_seq_len_at(step, args) for step in range(args.num_iterations))
+    if args.train_max_doc_len:  # PackedBatches: a step's chunks of seq_len + 1 tokens, at least
+        room, rule = args.micro_batches * (seq_len + 1) - 1, "{} x ({} + 1) - 1"
+    else:  # TrainBatches._room_for_a_step at a shard's start
+        room, rule = tg.step_room(args.micro_batches, seq_len), "2 x {} x {} + 1"
     if max(sizes) <= room:
         raise tg.DataError(f"{files[sizes.index(max(sizes))]}: the largest training shard holds {max(sizes):,} tokens, "
-                        f"but a step of micro_batches x train_seq_len = {args.micro_batches} x {args.train_seq_len} "
-                        f"needs a shard of more than {room:,} (2 x {args.micro_batches} x {args.train_seq_len} + 1)")
+                        f"but a step of micro_batches x train_seq_len = {args.micro_batches} x {seq_len} "
+                        f"needs a shard of more than {room:,} ({rule.format(args.micro_batches, seq_len)})")
     small = [f for f, size in zip(files, sizes) if size <= room]  # the loader passes over them
     if small:
         warnings.append(f"warning: {len(small)} training shard(s) hold at most {room:,} tokens, too few for a step "
-                        f"(2 x micro_batches x train_seq_len + 1), and are passed over, the first {small[0]}")
+                        f"({rule.format('micro_batches', 'train_seq_len')}), and are passed over, the first {small[0]}")
     have = sum(size for size in sizes if size > room)
-    need = args.num_iterations * args.micro_batches * args.train_seq_len
+    need = args.micro_batches * sum(tg.train_seq_len_at(step, args) for step in range(args.num_iterations))
     if have < need:
         warnings.append(f"warning: the {len(files)} training shard(s) hold {have:,} tokens but {args.num_iterations} "
                         f"steps need at least {need:,}; training will stop early (`python data/cached_fineweb10B.py N` "
@@ -293,6 +297,12 @@ def check_shapes(args, world_size, cuda_available):
     for name in ["train_seq_len", "val_seq_len"]:
         need(getattr(args, name) % bs == 0,
              f"--{name}={getattr(args, name)}: must be a multiple of attn_block_size={bs}")
+    if args.train_seq_len_schedule:
+        need(all(n % bs == 0 for n in tg._numbers(args.train_seq_len_schedule, int)),
+             f"--train_seq_len_schedule={args.train_seq_len_schedule!r}: each length must be a multiple of "
+             f"attn_block_size={bs}")
+        need(args.train_max_doc_len > 0, f"--train_seq_len_schedule={args.train_seq_len_schedule!r}: needs packed "
+             "documents (--train_max_doc_len, e.g. 2048): windows from a BOS keep one length")
     need(args.val_tokens % args.val_seq_len == 0,
          f"--val_tokens={args.val_tokens}: must be a multiple of val_seq_len={args.val_seq_len}")
     need(args.vocab_size > tg.BOS_TOKEN, f"--vocab_size={args.vocab_size}: must exceed the BOS token id {tg.BOS_TOKEN}")
@@ -341,20 +351,21 @@ def check_config(args, world_size, cuda_available):
     for name in ["val_every", "warmup_steps", "threads", "num_value_embeds", "muon_momentum_warmup_steps",
                  "weight_decay", "checkpoint_every", "max_new_tokens", "temperature", "top_k"]:
         need(getattr(args, name) >= 0, f"--{name}={getattr(args, name)}: must not be negative")
-    for name in ["extension_steps", "window_final_blocks", "muon_momentum_cooldown_steps"]:
+    for name in ["extension_steps", "window_final_blocks", "muon_momentum_cooldown_steps", "train_max_doc_len"]:
         need(getattr(args, name) >= 0, f"--{name}={getattr(args, name)}: must not be negative")
     need(args.extension_steps < args.num_iterations,
          f"--extension_steps={args.extension_steps}: must be below num_iterations={args.num_iterations}")
     need(args.muon_momentum_cooldown_steps <= args.num_iterations,
          f"--muon_momentum_cooldown_steps={args.muon_momentum_cooldown_steps}: must not exceed "
          f"num_iterations={args.num_iterations}")
-    for name, kind, what in [("lr_plateaus", float, "positive numbers"), ("window_schedule", int, "positive integers")]:
+    for name, kind, what in [("lr_plateaus", float, "positive numbers"), ("window_schedule", int, "positive integers"),
+                             ("train_seq_len_schedule", int, "positive integers")]:
         text = getattr(args, name)
         try:
             values = tg._numbers(text, kind)
         except ValueError:
             values = None
-        may_be_empty = name == "window_schedule"  # empty: the window grows (window_growth_tokens)
+        may_be_empty = name != "lr_plateaus"  # empty: the window grows (window_growth_tokens); train_seq_len throughout
         need(values is not None and (values or may_be_empty) and all(0 < v < math.inf for v in values),
              f"--{name}={text!r}: expected comma-separated {what}")
     for name in ["cooldown_frac", "final_lr_frac"]:

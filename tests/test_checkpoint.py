@@ -119,6 +119,22 @@ def test_resume_continues_bit_for_bit_at_world_size_1(single):
     assert resumed.train_time_ms > load(single["step3"])["train_time_ms"] > 0
 
 
+def test_a_run_of_packed_documents_and_a_batch_schedule_resumes_bit_for_bit(data, tmp_path):
+    """The 2026-01-19 record's loader (PackedBatches) at a checkpoint: its position (shard, document,
+    chunks taken) resumes the token stream, through the schedule's change of length after it."""
+    argv = tiny_argv(**data, **dict(RESUME, micro_batches=1), train_max_doc_len=96,
+                     train_seq_len_schedule="64,64,128", log_dir=tmp_path / "full")  # 128 from step 4
+    full, final, _ = run(argv, keep_at=(N, tmp_path / "early.pt"))
+    resumed, resumed_final, _ = run([f"--resume={tmp_path / 'early.pt'}", f"--log_dir={tmp_path / 'resumed'}",
+                                     "--warmup_steps=0"])
+    assert resumed.train_losses == full.train_losses[N:]
+    a, b = load(final), load(resumed_final)
+    assert a["loader"] == b["loader"] and set(a["loader"]) >= {"doc", "chunks_taken"}
+    assert load(tmp_path / "early.pt")["loader"]["chunks_taken"] == N  # before the length changes
+    for name, value in a["model"].items():
+        assert torch.equal(b["model"][name], value), name
+
+
 def test_a_resumed_runs_clock_goes_on_from_the_checkpoints_train_time(single):
     """A resumed run's train_time is the whole run's, as if it had never stopped: its log's lines
     from the checkpoint's step on, and its result, start from the checkpoint's train_time_ms, not

@@ -220,7 +220,7 @@ def test_bad_shard_found_in_the_loop_is_a_data_error_not_a_crash(tmp_path, make_
     log_dir = tmp_path / "records"
     calls = []
 
-    def unreadable(self, device):
+    def unreadable(self, device, seq_len):
         calls.append(1)
         raise train_gpt.DataError("fineweb_train_000002.bin: cannot read (Input/output error)")
     monkeypatch.setattr(train_gpt.TrainBatches, "next_batch", unreadable)
@@ -241,7 +241,7 @@ def test_bad_shard_found_by_one_rank_in_the_loop_is_named_by_that_rank(make_shar
     cfg.check_config(args, 2, False)
     collectives, at_failure = [], []
 
-    def unreadable(self, device):
+    def unreadable(self, device, seq_len):
         at_failure.append(len(collectives))
         raise train_gpt.DataError("fineweb_train_000002.bin: cannot read (Input/output error)")
     lines = []

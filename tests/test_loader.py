@@ -41,7 +41,7 @@ def drain(loader):
     out = []
     while True:
         try:
-            inputs, targets = loader.next_batch(torch.device("cpu"))
+            inputs, targets = loader.next_batch(torch.device("cpu"), loader.seq_len)
         except train_gpt.DataExhausted:
             return out
         out.append((inputs, targets))
@@ -162,7 +162,7 @@ def test_running_out_of_data_says_what_to_do(make_shards):
     loader = train_gpt.TrainBatches(train_gpt.find_shards(train_glob, "training"), 256, 0, 1)
     with pytest.raises(train_gpt.DataExhausted) as err:
         for _ in range(100):
-            loader.next_batch(torch.device("cpu"))
+            loader.next_batch(torch.device("cpu"), loader.seq_len)
     assert "cached_fineweb10B.py" in str(err.value) and "\n" not in str(err.value)
 
 
@@ -292,7 +292,7 @@ def test_a_loader_started_from_a_state_continues_the_stream_reading_each_shard_o
     whole = train_gpt.TrainBatches(files, 128, 0, 1, windows_per_step=2)
     head = []
     while whole.state()["shard"] == 0 or len(head) % 2:   # into the second shard, at a step's start
-        head.append(whole.next_batch(torch.device("cpu"))[0])
+        head.append(whole.next_batch(torch.device("cpu"), whole.seq_len)[0])
     state = whole.state()
     rest = [x for x, _ in drain(whole)]
     whole.close()

@@ -127,7 +127,7 @@ SCHEDULES = {
               None, [1, 1, 2, 3]),
     "staged": (dict(num_iterations=6, extension_steps=2, val_every=2, micro_batches=1, lr_plateaus="1,2",
                     cooldown_frac=0.5, muon_momentum_warmup_steps=2, muon_momentum_cooldown_steps=2,
-                    window_schedule="1,2", window_final_blocks=3),
+                    window_schedule="1,2", window_final_blocks=3, train_max_doc_len=96, train_seq_len_schedule="64,128"),
                ([1, 1, 1, 1.05, 0.1, 0.1], [0.85, 0.9, 0.95, 0.95, 0.95, 0.9]), [1, 1, 2, 2, 3, 3]),
 }
 
@@ -143,8 +143,12 @@ def test_each_step_trains_with_the_schedules_at_its_own_step(make_shards, monkey
     forward = train_gpt.GPT.forward
     windows = []  # (in training?, long window in blocks) of each forward pass, in order
 
+    lengths = []  # the tokens of each training forward pass
+
     def recording_forward(self, tokens, targets, long_window_blocks):
         windows.append((self.training, int(long_window_blocks)))
+        if self.training:
+            lengths.append(tokens.numel())
         return forward(self, tokens, targets, long_window_blocks)
     monkeypatch.setattr(train_gpt.GPT, "forward", recording_forward)
     seen = []  # (steps done, lr factor, Muon momentum) after each optimizer step
@@ -163,6 +167,8 @@ def test_each_step_trains_with_the_schedules_at_its_own_step(make_shards, monkey
         assert (lr, momentum) == (pytest.approx(values[0]), pytest.approx(values[1]))
     assert seen == [(s + 1, lr[s], momentum[s]) for s in trained]
     assert [w for training, w in windows if training] == blocks  # one micro-batch: one forward a step
+    assert lengths == [train_gpt.train_seq_len_at(s, args) for s in trained]
+    assert lengths == ([64, 64, 128, 128, 128, 128] if "train_seq_len_schedule" in config else [128] * 4)
     per_validation = TINY["val_tokens"] // TINY["val_seq_len"]
     assert [step for step, _ in result.val_losses] == list(range(0, config["num_iterations"] + 1, 2))
     assert [w for training, w in windows if not training] == [
@@ -256,9 +262,9 @@ def test_the_clock_counts_the_step_that_found_the_data_gone(make_shards, monkeyp
     (here 60 ms more) is in the run's training time, not lost."""
     next_batch = train_gpt.TrainBatches.next_batch
 
-    def slow_when_empty(self, device):
+    def slow_when_empty(self, device, seq_len):
         try:
-            return next_batch(self, device)
+            return next_batch(self, device, seq_len)
         except train_gpt.DataExhausted:
             time.sleep(0.06)
             raise
