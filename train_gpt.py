@@ -84,6 +84,8 @@ class Hyperparameters:
     window_growth_tokens: int = 1728    # long window: this x training progress, rounded up to whole blocks (>= 1)
     window_schedule: str = ""           # "3,7,11": long window in blocks per equal part of the scheduled steps, not grown
     window_final_blocks: int = 0        # long window over the extension steps (0: window_schedule's last)
+    window_validate_final_blocks: int = 0  # long window of the last validation (0: the last step's); short: the step's
+    token_windows: bool = False         # a window of w blocks reaches w x attn_block_size tokens back (2026); else w blocks
     fp8_head: bool = True               # FP8 lm_head where the GPU supports it (off on CPU and pre-Ada GPUs)
     bf16_embeds: bool = True            # embeddings, value embeddings and their Adam moments in bf16
     compile: bool = True                # torch.compile the model (--compile_scope: in how many graphs), the orthogonalizer
@@ -1042,18 +1044,21 @@ class Rotary(nn.Module):
 
 
 # --- attention masks: query q attends key k <= q in its document (from a BOS) and its window ----
+# The window: k's block within the last w blocks up to q's (2025), or k at most w x block_size
+# tokens before q (2026, FlashAttention's window_size=(w x block_size, 0)): w + 1 blocks reached.
 
 def document_ids(tokens):
     return (tokens == BOS_TOKEN).cumsum(0)
 
-def may_attend(q, k, docs, window_blocks, block_size):  # k's block lies within the last window_blocks blocks up to q's
-    return (k <= q) & (docs[q] == docs[k]) & (q // block_size - k // block_size < window_blocks)
+def may_attend(q, k, docs, window_blocks, block_size, token_window=False):
+    near = q - k <= window_blocks * block_size if token_window else q // block_size - k // block_size < window_blocks
+    return (k <= q) & (docs[q] == docs[k]) & near
 
-def dense_attention_mask(tokens, window_blocks, block_size):  # (T, T) booleans for scaled_dot_product_attention (CPU)
+def dense_attention_mask(tokens, window_blocks, block_size, token_window=False):  # (T, T) booleans for SDPA (CPU)
     pos = torch.arange(tokens.numel(), device=tokens.device)
-    return may_attend(pos[:, None], pos[None, :], document_ids(tokens), window_blocks, block_size)
+    return may_attend(pos[:, None], pos[None, :], document_ids(tokens), window_blocks, block_size, token_window)
 
-def flex_block_mask(tokens, window_blocks, block_size):
+def flex_block_mask(tokens, window_blocks, block_size, token_window=False):
     """The same mask as a FlexAttention BlockMask: full blocks skip the element-wise check."""
     from torch.nn.attention.flex_attention import BlockMask
     docs = document_ids(tokens)
@@ -1061,27 +1066,31 @@ def flex_block_mask(tokens, window_blocks, block_size):
     blocks = torch.arange(n, device=tokens.device)
     first, last = docs.view(n, block_size)[:, 0], docs.view(n, block_size)[:, -1]
     q, k = blocks[:, None], blocks[None, :]
-    in_window = (q - k < window_blocks) & (k <= q)
+    in_window = (q - k < window_blocks + token_window) & (k <= q)
     share_doc = (first[:, None] <= last[None, :]) & (first[None, :] <= last[:, None])
     one_doc = (first[:, None] == last[:, None]) & (first[None, :] == last[None, :]) & (first[:, None] == first[None, :])
     any_allowed = in_window & share_doc
-    full = any_allowed & one_doc & (k < q)
+    full = any_allowed & one_doc & (k < q) & (q - k < window_blocks)
     partial = any_allowed & ~full
+    window_tokens = window_blocks * block_size
     def mask_mod(b, h, q_idx, kv_idx):
-        # Only the listed blocks are visited, all inside the window: as in the record, no window
-        # term (with it, 86 ms/step on an H200 against 80).
-        return (kv_idx <= q_idx) & (docs[q_idx] == docs[kv_idx])
+        # Only the listed blocks are visited, all inside a block window: as in the 2025 record, no
+        # window term there (with it, 86 ms/step on an H200 against 80). A token window's last block
+        # is partly outside.
+        allowed = (kv_idx <= q_idx) & (docs[q_idx] == docs[kv_idx])
+        return allowed & (q_idx - kv_idx <= window_tokens) if token_window else allowed
     def ordered(mask):  # each query block's key blocks, nearest first, as the record visits them
         counts = mask.sum(dim=-1, dtype=torch.int32)
         indices = mask.to(torch.int8).argsort(dim=-1, stable=True).flip(-1).to(torch.int32)
         return counts[None, None].contiguous(), indices[None, None].contiguous()
     return BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=block_size, mask_mod=mask_mod)
 
-def attention_masks(tokens, long_blocks, args, hw):
-    """Masks for the long and short windows (short = half the long window, at least one block)."""
-    short_blocks = torch.clamp(long_blocks // 2, min=1)
+def attention_masks(tokens, long_blocks, args, hw, short_blocks=None):
+    """Masks for the long and short windows (short: by default half the long one, at least a block)."""
+    short_blocks = torch.clamp(long_blocks // 2, min=1) if short_blocks is None else short_blocks
     build = flex_block_mask if hw.attention == "flex" else dense_attention_mask
-    return {"L": build(tokens, long_blocks, args.attn_block_size), "S": build(tokens, short_blocks, args.attn_block_size)}
+    return {name: build(tokens, blocks, args.attn_block_size, args.token_windows)
+            for name, blocks in (("L", long_blocks), ("S", short_blocks))}
 
 def flex_attention_kernel():  # FlexAttention fuses only when compiled (else 55 GB of scores at 48k tokens)
     from torch.nn.attention.flex_attention import flex_attention
@@ -1257,10 +1266,10 @@ class GPT(nn.Module):
         if hw.fp8_head:
             register_fp8_ops()
 
-    def forward(self, tokens, targets, long_window_blocks):
+    def forward(self, tokens, targets, long_window_blocks, short_window_blocks=None):
         """tokens, targets: (T,) int64 -> the fp32 cross-entropy summed over positions in training (as
         the record: its FP8 scale assumes it), averaged in eval; without targets, the logits."""
-        return self.head(self.trunk(tokens, long_window_blocks), targets)
+        return self.head(self.trunk(tokens, long_window_blocks, short_window_blocks), targets)
 
     def compile_for_training(self, scope, backend="inductor"):
         """scope "model": one graph, as the record (every gradient is final only when backward is).
@@ -1274,8 +1283,8 @@ class GPT(nn.Module):
             block.compile(dynamic=False, backend=backend)
         self.head = torch.compile(self.head, dynamic=False, backend=backend)
 
-    def trunk(self, tokens, long_window_blocks):
-        masks = attention_masks(tokens, long_window_blocks, self.args, self.hw)
+    def trunk(self, tokens, long_window_blocks, short_window_blocks=None):
+        masks = attention_masks(tokens, long_window_blocks, self.args, self.hw, short_window_blocks)
         x = x0 = rms_norm(self.embed(tokens)[None].to(self.hw.compute_dtype))
         value_embeds = [ve(tokens)[None].to(x.dtype) for ve in self.value_embeds]
         skips, half = [], len(self.blocks) // 2
@@ -1811,8 +1820,16 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
         raise failure
     batches = None  # made inside the clock: setup derived from the data counts as training time
     # one device scalar per window size, made once: a copy each step would make the host wait
+    longs = {long_window_blocks_at(s, args) for s in range(args.num_iterations + 1)}
     window_sizes = {blocks: torch.tensor(blocks, device=hw.device)
-                    for blocks in {long_window_blocks_at(s, args) for s in range(args.num_iterations + 1)}}
+                    for blocks in longs | {max(b // 2, 1) for b in longs} | {args.window_validate_final_blocks}}
+
+    def windows(step, final_validation=False):  # (long, short) window sizes in blocks: short is half the step's long
+        long = long_window_blocks_at(step, args)
+        short = max(long // 2, 1)
+        if final_validation and args.window_validate_final_blocks:
+            long = args.window_validate_final_blocks
+        return window_sizes[long], window_sizes[short]
     log_header(log, args, ranks, hw, model, optimizer, data_note, (train_files, val_files))
     for warning in warnings:
         log(warning)
@@ -1857,13 +1874,13 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
         seq_len = train_seq_len_at(step, args)
         optimizer.lr_factor = lr_factor_at(step, args)
         optimizer.muon_momentum = muon_momentum_at(step, args)
-        window = window_sizes[long_window_blocks_at(step, args)]
+        step_windows = windows(step)
         loss_sum = torch.zeros((), device=hw.device)
         for micro in range(accum_steps):
             inputs, targets = next_batch(seq_len)
             if micro == accum_steps - 1 and args.overlap_comms:
                 optimizer.arm_for_final_backward()
-            loss = model(inputs, targets, window)  # summed over the micro-batch's tokens
+            loss = model(inputs, targets, *step_windows)  # summed over the micro-batch's tokens
             loss.backward()
             loss_sum += loss.detach()
         optimizer.step()
@@ -1873,10 +1890,10 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
     @torch.no_grad()
     def validate(step):
         model.eval()
-        window = window_sizes[long_window_blocks_at(step, args)]
+        step_windows = windows(step, final_validation=step == N)
         sum_and_count = torch.zeros(2, device=hw.device)  # ranks may hold one window more than others
         for inputs, targets in val_batches(val_tokens, args.val_seq_len, ranks.rank, ranks.world_size, hw.device):
-            sum_and_count[0] += model(inputs, targets, window)
+            sum_and_count[0] += model(inputs, targets, *step_windows)
             sum_and_count[1] += 1
         model.train()
         if ranks.world_size > 1:
@@ -1898,7 +1915,7 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
         with torch.no_grad():
             model.eval()
             inputs, targets = next(val_batches(val_tokens, args.val_seq_len, 0, 1, hw.device))
-            model(inputs, targets, window_sizes[long_window_blocks_at(0, args)])
+            model(inputs, targets, *windows(0))
             model.train()
         model.load_state_dict(initial_params)
         optimizer.reset_state()

@@ -351,7 +351,8 @@ def check_config(args, world_size, cuda_available):
     for name in ["val_every", "warmup_steps", "threads", "num_value_embeds", "muon_momentum_warmup_steps",
                  "weight_decay", "checkpoint_every", "max_new_tokens", "temperature", "top_k"]:
         need(getattr(args, name) >= 0, f"--{name}={getattr(args, name)}: must not be negative")
-    for name in ["extension_steps", "window_final_blocks", "muon_momentum_cooldown_steps", "train_max_doc_len"]:
+    for name in ["extension_steps", "window_final_blocks", "window_validate_final_blocks", "muon_momentum_cooldown_steps",
+                 "train_max_doc_len"]:
         need(getattr(args, name) >= 0, f"--{name}={getattr(args, name)}: must not be negative")
     need(args.extension_steps < args.num_iterations,
          f"--extension_steps={args.extension_steps}: must be below num_iterations={args.num_iterations}")

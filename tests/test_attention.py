@@ -18,13 +18,18 @@ def random_documents(T, n_docs, seed):
     return tokens
 
 
-def naive_allowed(tokens, window_blocks, block_size):
-    """allowed[q][k] from the rules, one position pair at a time."""
+def naive_allowed(tokens, window_blocks, block_size, token_window=False):
+    """allowed[q][k] from the rules, one position pair at a time. token_window: FlashAttention's
+    window_size=(W, 0) with causal=True, as the 2026-01-19 record calls it with W = window_blocks x
+    block_size: key j is seen by query i when i - W <= j <= i (W + 1 keys with itself)."""
     T = len(tokens)
     doc, docs = 0, []
     for t in tokens.tolist():
         doc += t == BOS
         docs.append(doc)
+    if token_window:
+        W = window_blocks * block_size
+        return [[q - W <= k <= q and docs[k] == docs[q] for k in range(T)] for q in range(T)]
     return [[k <= q and docs[k] == docs[q] and (q // block_size - k // block_size) < window_blocks
              for k in range(T)] for q in range(T)]
 
@@ -44,11 +49,12 @@ def naive_attention(q, k, v, allowed, scale):
 CASES = [(128, 32, 1, 3, 0), (128, 32, 2, 6, 1), (192, 64, 3, 1, 2), (96, 32, 5, 9, 3), (128, 16, 3, 4, 4)]
 
 
+@pytest.mark.parametrize("token_window", [False, True], ids=["blocks", "tokens"])
 @pytest.mark.parametrize("T, block, window, n_docs, seed", CASES)
-def test_dense_mask_equals_naive_rule(T, block, window, n_docs, seed):
+def test_dense_mask_equals_naive_rule(T, block, window, n_docs, seed, token_window):
     tokens = random_documents(T, n_docs, seed)
-    dense = train_gpt.dense_attention_mask(tokens, torch.tensor(window), block)
-    assert dense.tolist() == naive_allowed(tokens, window, block)
+    dense = train_gpt.dense_attention_mask(tokens, torch.tensor(window), block, token_window)
+    assert dense.tolist() == naive_allowed(tokens, window, block, token_window)
 
 
 @pytest.mark.parametrize("T, block, window, n_docs, seed", CASES[:3])
@@ -65,11 +71,12 @@ def test_cpu_attention_path_equals_naive_attention(T, block, window, n_docs, see
         torch.testing.assert_close(out[0, :, h].double(), ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("token_window", [False, True], ids=["blocks", "tokens"])
 @pytest.mark.parametrize("T, block, window, n_docs, seed", CASES)
-def test_flex_block_mask_equals_naive_rule(T, block, window, n_docs, seed):
+def test_flex_block_mask_equals_naive_rule(T, block, window, n_docs, seed, token_window):
     tokens = random_documents(T, n_docs, seed)
-    block_mask = train_gpt.flex_block_mask(tokens, torch.tensor(window), block)
-    dense = torch.tensor(naive_allowed(tokens, window, block))
+    block_mask = train_gpt.flex_block_mask(tokens, torch.tensor(window), block, token_window)
+    dense = torch.tensor(naive_allowed(tokens, window, block, token_window))
     # Equality also proves that blocks marked full are fully allowed (the kernel skips mask_mod
     # there) and that skipped blocks hold no allowed pair.
     assert torch.equal(effective_block_mask(block_mask, T), dense)
@@ -83,8 +90,9 @@ def test_block_mask_uses_full_partial_and_skipped_blocks():
     assert int((full + partial).max()) <= 3  # the window skips older blocks
 
 
-@pytest.mark.parametrize("T, block, window, n_docs, seed", [CASES[0], CASES[2], CASES[4]])
-def test_flex_attention_forward_equals_naive_attention(T, block, window, n_docs, seed):
+@pytest.mark.parametrize("T, block, window, n_docs, seed, token_window",
+                         [(*CASES[0], False), (*CASES[2], False), (*CASES[4], False), (*CASES[1], True)])
+def test_flex_attention_forward_equals_naive_attention(T, block, window, n_docs, seed, token_window):
     # Through attend, so FlexAttention runs compiled as in training: only compiled does it visit
     # the BlockMask's block lists and skip mask_mod on full blocks (unfused, it applies mask_mod to
     # every score and ignores the lists, and mask_mod leaves the window to the lists).
@@ -92,9 +100,9 @@ def test_flex_attention_forward_equals_naive_attention(T, block, window, n_docs,
     g = torch.Generator().manual_seed(seed + 100)
     H, D = 2, 8
     q, k, v = (torch.randn(1, T, H, D, generator=g) for _ in range(3))
-    block_mask = train_gpt.flex_block_mask(tokens, torch.tensor(window), block)
+    block_mask = train_gpt.flex_block_mask(tokens, torch.tensor(window), block, token_window)
     out = train_gpt.attend(q, k, v, block_mask, scale=0.12)
-    allowed = naive_allowed(tokens, window, block)
+    allowed = naive_allowed(tokens, window, block, token_window)
     for h in range(H):
         ref = naive_attention(q[0, :, h], k[0, :, h], v[0, :, h], allowed, 0.12)
         torch.testing.assert_close(out[0, :, h].double(), ref, atol=1e-5, rtol=1e-5)

@@ -127,7 +127,8 @@ SCHEDULES = {
               None, [1, 1, 2, 3]),
     "staged": (dict(num_iterations=6, extension_steps=2, val_every=2, micro_batches=1, lr_plateaus="1,2",
                     cooldown_frac=0.5, muon_momentum_warmup_steps=2, muon_momentum_cooldown_steps=2,
-                    window_schedule="1,2", window_final_blocks=3, train_max_doc_len=96, train_seq_len_schedule="64,128"),
+                    window_schedule="1,2", window_final_blocks=3, window_validate_final_blocks=4, token_windows=True,
+                    train_max_doc_len=96, train_seq_len_schedule="64,128"),
                ([1, 1, 1, 1.05, 0.1, 0.1], [0.85, 0.9, 0.95, 0.95, 0.95, 0.9]), [1, 1, 2, 2, 3, 3]),
 }
 
@@ -145,11 +146,14 @@ def test_each_step_trains_with_the_schedules_at_its_own_step(make_shards, monkey
 
     lengths = []  # the tokens of each training forward pass
 
-    def recording_forward(self, tokens, targets, long_window_blocks):
+    shorts = []  # (in training?, short window in blocks)
+
+    def recording_forward(self, tokens, targets, long_window_blocks, short_window_blocks=None):
         windows.append((self.training, int(long_window_blocks)))
+        shorts.append((self.training, int(short_window_blocks)))
         if self.training:
             lengths.append(tokens.numel())
-        return forward(self, tokens, targets, long_window_blocks)
+        return forward(self, tokens, targets, long_window_blocks, short_window_blocks)
     monkeypatch.setattr(train_gpt.GPT, "forward", recording_forward)
     seen = []  # (steps done, lr factor, Muon momentum) after each optimizer step
     config, values, expected_blocks = SCHEDULES[schedule]
@@ -171,8 +175,15 @@ def test_each_step_trains_with_the_schedules_at_its_own_step(make_shards, monkey
     assert lengths == ([64, 64, 128, 128, 128, 128] if "train_seq_len_schedule" in config else [128] * 4)
     per_validation = TINY["val_tokens"] // TINY["val_seq_len"]
     assert [step for step, _ in result.val_losses] == list(range(0, config["num_iterations"] + 1, 2))
+    final = config.get("window_validate_final_blocks")  # the last validation's long window, if set
     assert [w for training, w in windows if not training] == [
-        train_gpt.long_window_blocks_at(step, args) for step, _ in result.val_losses for _ in range(per_validation)]
+        final if final and step == config["num_iterations"] else train_gpt.long_window_blocks_at(step, args)
+        for step, _ in result.val_losses for _ in range(per_validation)]
+    # the short window is half the step's long one (the last step's at the last validation)
+    assert [w for training, w in shorts if training] == [max(long // 2, 1) for long in blocks]
+    assert [w for training, w in shorts if not training] == [
+        max(train_gpt.long_window_blocks_at(step, args) // 2, 1) for step, _ in result.val_losses
+        for _ in range(per_validation)]
 
 
 @pytest.mark.slow
