@@ -1556,7 +1556,9 @@ class PackedBatches(ShardQueue):
         mine = self._step[self.chunks_taken % self.chunks_per_step + self.rank]
         self.chunks_taken += self.world_size
         tokens = self._shard.tokens
-        mine = torch.cat([tokens[start:end] for start, end in mine]).to(device, non_blocking=True).to(torch.int64)
+        mine = torch.cat([tokens[start:end] for start, end in mine])
+        assert mine.numel() == seq_len + 1, "a step's chunks are planned for one seq_len"
+        mine = mine.to(device, non_blocking=True).to(torch.int64)
         return mine[:-1], mine[1:]
 
 def bigram_hash(tokens, table_size):
@@ -1643,7 +1645,10 @@ def lr_factor_at(step, args):
 def muon_momentum_at(step, args):  # up from start to end over the warmup, back down over the cooldown
     start, end = args.muon_momentum_start, args.muon_momentum_end
     if step < args.muon_momentum_warmup_steps:
-        return (1 - step / args.muon_momentum_warmup_steps) * start + step / args.muon_momentum_warmup_steps * end
+        frac = step / args.muon_momentum_warmup_steps
+        if args.muon_momentum_cooldown_steps:  # the 2026 record's form (an ulp apart from 2025's at some steps)
+            return start + frac * (end - start)
+        return (1 - frac) * start + frac * end
     cooldown_start = args.num_iterations - args.muon_momentum_cooldown_steps
     if args.muon_momentum_cooldown_steps and step > cooldown_start:
         return end - (step - cooldown_start) / args.muon_momentum_cooldown_steps * (end - start)

@@ -252,27 +252,41 @@ def data_shortfall(files, args, without_bos=()):
     others) or too few tokens for a step, or the shards cannot last num_iterations steps. Windows
     skip the tails of documents, so the need is a lower bound. A DataError where nothing would
     train (after minutes of compiling): no shard holds a BOS, where every window starts, or none
-    has room for one step (the loader's rule)."""
+    has room for one step (the loader's rule) of the batch size schedule's first stage."""
     if not files:
         raise tg.DataError(f"{without_bos[0]}: no training shard holds a BOS token ({tg.BOS_TOKEN}), and every training "
                         "window starts at one: nothing would train (data/fineweb.py starts every document with it)")
     warnings = [f"warning: {len(without_bos)} training shard(s) hold no BOS token ({tg.BOS_TOKEN}) and are passed over, "
                 f"the first {without_bos[0]}"] if without_bos else []
     sizes = [tg.read_shard_header(f) for f in files]
-    seq_len = max(tg.train_seq_len_at(step, args) for step in range(args.num_iterations))
-    if args.train_max_doc_len:  # PackedBatches: a step's chunks of seq_len + 1 tokens, at least
-        room, rule = args.micro_batches * (seq_len + 1) - 1, "{} x ({} + 1) - 1"
-    else:  # TrainBatches._room_for_a_step at a shard's start
-        room, rule = tg.step_room(args.micro_batches, seq_len), "2 x {} x {} + 1"
+    stages = {}  # each train_seq_len of the schedule and the first step it trains
+    for step in range(args.num_iterations):
+        stages.setdefault(tg.train_seq_len_at(step, args), step)
+
+    def room_for_a_step(seq_len):  # a shard must hold more tokens than this (the loader's rule)
+        if args.train_max_doc_len:  # PackedBatches: a step's chunks of seq_len + 1 tokens, at least
+            return args.micro_batches * (seq_len + 1) - 1, "{} x ({} + 1) - 1"
+        return tg.step_room(args.micro_batches, seq_len), "2 x {} x {} + 1"  # TrainBatches at a shard's start
+    seq_len = next(iter(stages))
+    room, rule = room_for_a_step(seq_len)
     if max(sizes) <= room:
         raise tg.DataError(f"{files[sizes.index(max(sizes))]}: the largest training shard holds {max(sizes):,} tokens, "
-                        f"but a step of micro_batches x train_seq_len = {args.micro_batches} x {seq_len} "
-                        f"needs a shard of more than {room:,} ({rule.format(args.micro_batches, seq_len)})")
-    small = [f for f, size in zip(files, sizes) if size <= room]  # the loader passes over them
-    if small:
-        warnings.append(f"warning: {len(small)} training shard(s) hold at most {room:,} tokens, too few for a step "
-                        f"({rule.format('micro_batches', 'train_seq_len')}), and are passed over, the first {small[0]}")
+                           f"but a step of micro_batches x train_seq_len = {args.micro_batches} x {seq_len} "
+                           f"needs a shard of more than {room:,} ({rule.format(args.micro_batches, seq_len)})")
     have = sum(size for size in sizes if size > room)
+    passed_over = set()
+    for seq_len, first_step in stages.items():  # a batch size schedule's larger steps pass over more shards
+        room, rule = room_for_a_step(seq_len)
+        stage = f" from step {first_step} (train_seq_len {seq_len})" if len(stages) > 1 else ""
+        if max(sizes) <= room:
+            warnings.append(f"warning: no training shard holds more than {room:,} tokens "
+                            f"({rule.format(args.micro_batches, seq_len)}), a step{stage}: training will stop there")
+            break
+        small = [f for f, size in zip(files, sizes) if size <= room and f not in passed_over]
+        if small:
+            warnings.append(f"warning: {len(small)} training shard(s) hold at most {room:,} tokens, too few for a step"
+                            f"{stage} ({rule.format('micro_batches', 'train_seq_len')}), and are passed over, the first {small[0]}")
+            passed_over.update(small)
     need = args.micro_batches * sum(tg.train_seq_len_at(step, args) for step in range(args.num_iterations))
     if have < need:
         warnings.append(f"warning: the {len(files)} training shard(s) hold {have:,} tokens but {args.num_iterations} "

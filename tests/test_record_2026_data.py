@@ -4,6 +4,8 @@ stage) and its bigram hash, against restatements of the record's code
 (../shared/peers/modded-nanogpt_93f0e6b9/train_gpt.py, lines named beside each). The record
 fills a step in one call at 8 GPUs; ours must give those chunks at every world size."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -120,6 +122,36 @@ def test_a_step_that_does_not_fit_in_a_shard_starts_afresh_on_the_next(tmp_path)
     assert 8 * first_of_second_shard < chunks_in_first < 8 * (first_of_second_shard + 1)
 
 
+@pytest.mark.parametrize("world_size", [1, 8])
+def test_edge_shards_are_read_as_the_record_reads_them(tmp_path, world_size):
+    """A shard without a BOS (passed over), tokens before a shard's first BOS (skipped), a BOS as a
+    shard's last token (a one-token document), documents exactly a chunk long or exactly
+    max_doc_len long: the record's chunks, at world sizes 1 and 8."""
+    rng = np.random.default_rng(1)
+    n, max_doc_len = 32, 40
+    ids = iter(range(1, 10**6))  # no token repeats: a chunk's tokens say where they came from
+
+    def documents(*lengths):
+        return [t for length in lengths for t in [BOS] + [next(ids) for _ in range(length - 1)]]
+    streams = [
+        np.array([next(ids) for _ in range(500)]),                                        # no BOS at all
+        np.array([next(ids) for _ in range(7)] + documents(n + 1, n + 1, 5, max_doc_len, 90, n + 1) * 1
+                 + documents(*rng.integers(3, 60, 30)) + [BOS]),                         # ends in a lone BOS
+        np.array(documents(*[n + 1] * 20, 1)),                                            # chunk-long documents
+        np.array(documents(*rng.integers(1, 80, 40))),                                    # one-token documents too
+    ]
+    files = []
+    for i, tokens in enumerate(streams):
+        files.append(str(tmp_path / f"e_{i:06d}.bin"))
+        write_shard(files[-1], tokens)
+    lengths = [n] * 12
+    record = record_step_chunks(streams, lengths, max_doc_len=max_doc_len)
+    assert len(record) >= 4  # every shard with a BOS gives at least one step
+    ours, _ = our_steps(files, lengths, max_doc_len=max_doc_len, world_size=world_size)
+    assert_same_steps(ours, record)
+    assert np.array_equal(ours[0][0], streams[1][7:7 + n + 1])  # the first chunk: exactly the first document
+
+
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_a_resumed_loader_continues_the_stream_from_a_steps_start(tmp_path, world_size):
     files, streams = shards_in(tmp_path, [9_000, 9_000])
@@ -170,3 +202,28 @@ def test_bigram_hash_is_the_records():
     # position 1 hashes with position 0's reserved id, whose product wraps in int32 (as the record's does)
     wrapped = (27191 * (table - 1) + 2 ** 31) % 2 ** 32 - 2 ** 31
     assert int(ids[1]) == ((36313 * 50303) ^ wrapped) % (table - 1)
+
+
+def test_set_up_judges_the_shards_stage_by_stage_of_a_batch_schedule(tmp_path):
+    """A shard too small for a later stage's step still trains the earlier stages: a warning names
+    the step from which it is passed over, or from which no shard has room (training stops there);
+    only where no shard has room for the first stage's step is it an error."""
+    config = train_gpt.harness("config")
+    files, _ = shards_in(tmp_path, [300, 700, 5_000])
+    args = train_gpt.Hyperparameters(micro_batches=4, train_max_doc_len=96, num_iterations=6,
+                                     train_seq_len_schedule="64,128,256")  # rooms 259, 515, 1027
+    assert config.data_shortfall(files, args) == [
+        f"warning: 1 training shard(s) hold at most 515 tokens, too few for a step from step 2 (train_seq_len 128) "
+        f"(micro_batches x (train_seq_len + 1) - 1), and are passed over, the first {files[0]}",
+        f"warning: 1 training shard(s) hold at most 1,027 tokens, too few for a step from step 4 (train_seq_len 256) "
+        f"(micro_batches x (train_seq_len + 1) - 1), and are passed over, the first {files[1]}"]
+    assert config.data_shortfall(files[:2], args) == [
+        f"warning: 1 training shard(s) hold at most 515 tokens, too few for a step from step 2 (train_seq_len 128) "
+        f"(micro_batches x (train_seq_len + 1) - 1), and are passed over, the first {files[0]}",
+        "warning: no training shard holds more than 1,027 tokens (4 x (256 + 1) - 1), a step from step 4 "
+        "(train_seq_len 256): training will stop there",
+        "warning: the 2 training shard(s) hold 1,000 tokens but 6 steps need at least 3,584; training will stop "
+        "early (`python data/cached_fineweb10B.py N` downloads more)"]
+    with pytest.raises(train_gpt.DataError, match=r"the largest training shard holds 300 tokens, but a step of "
+                                                  r"micro_batches x train_seq_len = 4 x 128 needs a shard of more than 515 "):
+        config.data_shortfall(files[:1], dataclasses.replace(args, train_seq_len_schedule="128,256"))

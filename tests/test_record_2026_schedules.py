@@ -17,6 +17,7 @@ RECORD_2026 = dict(
     muon_momentum_start=0.85, muon_momentum_end=0.95,     # momentum_min=0.85, momentum_max=0.95
     muon_momentum_warmup_steps=300, muon_momentum_cooldown_steps=50,  # muon_warmup_steps=300, muon_cooldown_steps=50
     window_schedule="3,7,11", window_final_blocks=13,     # ws_schedule = (3, 7, 11); ws_final = 13
+    micro_batches=8, train_seq_len_schedule="16384,32768,49152",  # grad_accum_steps = 8 // W; train_bs_schedule / 8
 )
 ARGS = dataclasses.replace(train_gpt.Hyperparameters(), **RECORD_2026)
 SCHEDULED, STEPS = 1560, 1600
@@ -54,6 +55,18 @@ def record_get_muon_momentum(step):  # P 1534-1546
     return 0.95
 
 
+def record_get_bs(step):  # P 1501-1506: tokens per step over all ranks, (8, 16, 24) x 2048 x 8
+    if step >= SCHEDULED:
+        return 24 * 2048 * 8
+    return (8 * 2048 * 8, 16 * 2048 * 8, 24 * 2048 * 8)[int(3 * (step / SCHEDULED))]
+
+
+def test_batch_size_is_the_records_at_every_step():
+    ours = [ARGS.micro_batches * train_gpt.train_seq_len_at(s, ARGS) for s in range(STEPS + 1)]
+    assert ours == [record_get_bs(s) for s in range(STEPS + 1)]
+    assert [s for s in range(1, STEPS + 1) if ours[s] != ours[s - 1]] == [520, 1040]
+
+
 def test_lr_factor_is_the_records_at_every_step():
     ours = [train_gpt.lr_factor_at(s, ARGS) for s in range(STEPS + 1)]
     assert ours == [record_get_lr(s) for s in range(STEPS + 1)]  # exactly: the same float operations
@@ -75,10 +88,7 @@ def test_long_window_is_the_records_at_every_step():
 def test_muon_momentum_is_the_records_at_every_step():
     ours = [train_gpt.muon_momentum_at(s, ARGS) for s in range(STEPS + 1)]
     record = [record_get_muon_momentum(s) for s in range(STEPS + 1)]
-    # the cooldown and plateau exactly; the warmup within an ulp: ours keeps the 2025-08-23 record's
-    # (1 - frac) * 0.85 + frac * 0.95, the 2026 record writes 0.85 + frac * (0.95 - 0.85)
-    assert ours[300:] == record[300:]
-    assert ours[:300] == pytest.approx(record[:300], rel=1e-15, abs=0)
+    assert ours == record  # exactly: with a cooldown the warmup is the 2026 form, start + frac * (end - start)
     assert ours[1550] == 0.95 and ours[1599] == pytest.approx(0.852) and ours[1600] == pytest.approx(0.85)
 
 

@@ -125,7 +125,7 @@ def test_training_lowers_the_loss_and_warmup_changes_nothing(make_shards):
 SCHEDULES = {
     "grown": (dict(num_iterations=4, val_every=2, micro_batches=1, cooldown_frac=1.0, muon_momentum_warmup_steps=3),
               None, [1, 1, 2, 3]),
-    "staged": (dict(num_iterations=6, extension_steps=2, val_every=2, micro_batches=1, lr_plateaus="1,2",
+    "staged": (dict(num_iterations=6, extension_steps=2, val_every=2, micro_batches=2, lr_plateaus="1,2",
                     cooldown_frac=0.5, muon_momentum_warmup_steps=2, muon_momentum_cooldown_steps=2,
                     window_schedule="1,2", window_final_blocks=3, window_validate_final_blocks=4, token_windows=True,
                     train_max_doc_len=96, train_seq_len_schedule="64,128"),
@@ -170,9 +170,10 @@ def test_each_step_trains_with_the_schedules_at_its_own_step(make_shards, monkey
     else:
         assert (lr, momentum) == (pytest.approx(values[0]), pytest.approx(values[1]))
     assert seen == [(s + 1, lr[s], momentum[s]) for s in trained]
-    assert [w for training, w in windows if training] == blocks  # one micro-batch: one forward a step
-    assert lengths == [train_gpt.train_seq_len_at(s, args) for s in trained]
-    assert lengths == ([64, 64, 128, 128, 128, 128] if "train_seq_len_schedule" in config else [128] * 4)
+    per_step = config["micro_batches"]  # forward passes a step
+    assert [w for training, w in windows if training] == [b for b in blocks for _ in range(per_step)]
+    assert lengths == [train_gpt.train_seq_len_at(s, args) for s in trained for _ in range(per_step)]
+    assert lengths[::per_step] == ([64, 64, 128, 128, 128, 128] if "train_seq_len_schedule" in config else [128] * 4)
     per_validation = TINY["val_tokens"] // TINY["val_seq_len"]
     assert [step for step, _ in result.val_losses] == list(range(0, config["num_iterations"] + 1, 2))
     final = config.get("window_validate_final_blocks")  # the last validation's long window, if set
@@ -180,7 +181,7 @@ def test_each_step_trains_with_the_schedules_at_its_own_step(make_shards, monkey
         final if final and step == config["num_iterations"] else train_gpt.long_window_blocks_at(step, args)
         for step, _ in result.val_losses for _ in range(per_validation)]
     # the short window is half the step's long one (the last step's at the last validation)
-    assert [w for training, w in shorts if training] == [max(long // 2, 1) for long in blocks]
+    assert [w for training, w in shorts if training] == [max(long // 2, 1) for long in blocks for _ in range(per_step)]
     assert [w for training, w in shorts if not training] == [
         max(train_gpt.long_window_blocks_at(step, args) // 2, 1) for step, _ in result.val_losses
         for _ in range(per_validation)]
