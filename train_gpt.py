@@ -78,6 +78,7 @@ class Hyperparameters:
     num_value_embeds: int = 3           # N value embeddings, added in blocks 0..N-1 and again in the last N
     attn_scale: float = 0.12            # attention logit scale (instead of 1/sqrt(head_dim))
     rotary_base: float = 1024.0         # rotary frequencies (1/base)^linspace(0, 1)
+    yarn: bool = False                  # rotary on adjacent dim pairs, bf16 tables; a long-window change stretches it, raises attn_scale (2026)
     logit_softcap: float = 15.0         # logits = 2*cap*sigmoid(z/(cap/2)): 30*sigmoid(z/7.5) at 15
     attn_block_size: int = 128          # FlexAttention block; windows are whole blocks
     window_pattern: str = "LSSSLSSLSSSL"  # per block: L long window, S short window (= long/2)
@@ -1023,24 +1024,74 @@ def rms_norm(x):
     return F.rms_norm(x, (x.size(-1),))
 
 class Rotary(nn.Module):
-    """Rotary embedding on half of each head: head_dim/4 frequencies, the other quarter zero."""
-    def __init__(self, head_dim, max_seq_len, base=1024.0):
+    """Rotary embedding on half of each head's dims: head_dim/4 frequencies, each turning a pair of
+    dims; the other half stationary. 2025: pairs (i, i + head_dim/2), fp32 tables. yarn (2026):
+    pairs (2i, 2i + 1) and dims head_dim/2.. stationary, bf16 tables, and YaRN: a change of the long
+    window scales its slow frequencies by old/new (the fast ones kept) and raises attn_scale. It
+    holds the attention scale, and tables for 2 x max_seq_len positions (paired heads read two)."""
+    def __init__(self, head_dim, max_seq_len, base=1024.0, attn_scale=0.12, yarn=False):
         super().__init__()
-        quarter = head_dim // 4
-        freqs = (1 / base) ** torch.linspace(0, 1, quarter, dtype=torch.float32)
-        freqs = torch.cat([freqs, freqs.new_zeros(quarter)])
-        theta = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), freqs)
+        self.head_dim, self.max_seq_len, self.base, self.initial_scale, self.yarn = \
+            head_dim, max_seq_len, base, attn_scale, yarn
+        for name in ("freqs", "cos", "sin"):  # moved with the model; rebuilt, not saved
+            self.register_buffer(name, None, persistent=False)
+        self.reset()
+
+    def reset(self):  # the initial frequencies, scale and tables (after warmup, and before a run's first step)
+        if self.cos is not None and not self.yarn:
+            return
+        device = self.cos.device if self.cos is not None else None
+        quarter = self.head_dim // 4
+        freqs = (1 / self.base) ** torch.linspace(0, 1, quarter, dtype=torch.float32, device=device)
+        stationary = freqs.new_zeros(self.head_dim // 2 if self.yarn else quarter)
+        self.freqs = torch.cat([freqs.repeat_interleave(2) if self.yarn else freqs, stationary])
+        self.attn_scale, self.window = self.initial_scale, None
+        self._tables()
+
+    def _tables(self):
+        positions = torch.arange(2 * self.max_seq_len if self.yarn else self.max_seq_len, dtype=torch.float32,
+                                 device=self.freqs.device)
+        theta = torch.outer(positions, self.freqs)
         # One element first: a process's first vectorized cos (MKL's VML) split over threads came out
         # inaccurate in a second thread's part (1.5e-4 at positions 512+), and runs then differed.
         theta[:1, :1].cos()
-        self.register_buffer("cos", theta.cos(), persistent=False)
-        self.register_buffer("sin", theta.sin(), persistent=False)
+        cos, sin = theta.cos(), theta.sin()
+        if self.yarn:  # (x[2i], x[2i+1]) -> (c x[2i] + s x[2i+1], c x[2i+1] - s x[2i]): odd columns' sines negated
+            sin[:, 1::2] *= -1
+            cos, sin = cos.bfloat16(), sin.bfloat16()
+        if self.cos is None:
+            self.cos, self.sin = cos, sin
+        else:
+            self.cos.copy_(cos)
+            self.sin.copy_(sin)
 
-    def forward(self, x):  # x: (B, T, H, head_dim)
-        T = x.size(-3)
-        cos, sin = self.cos[None, :T, None, :], self.sin[None, :T, None, :]
-        x1, x2 = x.float().chunk(2, dim=-1)
-        return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1).type_as(x)
+    def follow(self, window_blocks, block_size, alpha=1, beta=32):
+        """YaRN at a change of the long window (in blocks): a frequency that turns fewer than alpha
+        times over the old window's tokens is scaled by old/new, one turning more than beta times is
+        kept, those between are blended."""
+        old, self.window = self.window, window_blocks
+        if not self.yarn or old is None or old == window_blocks:
+            return
+        turns = block_size * old * self.freqs / (2 * torch.pi)
+        ratio = old / window_blocks
+        self.freqs *= ratio + torch.clamp((turns - alpha) / (beta - alpha), 0, 1) * (1 - ratio)
+        self._tables()
+        self.attn_scale *= 0.2 * math.log(window_blocks / old) + 1
+
+    def forward(self, x, paired=False):
+        """x: (B, T, H, head_dim). paired: heads 2j and 2j + 1 are turned as positions 2t and 2t + 1."""
+        B, T, H, D = x.shape
+        if not self.yarn:
+            cos, sin = self.cos[None, :T, None, :], self.sin[None, :T, None, :]
+            x1, x2 = x.float().chunk(2, dim=-1)
+            return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1).type_as(x)
+        if paired:
+            x = x.view(B, T, H // 2, 2 * D)  # a row of the tables at 2t, then the row at 2t + 1
+        rows = 2 * T if paired else T
+        cos, sin = (table[:rows].view(T, -1)[None, :, None, :].float() for table in (self.cos, self.sin))
+        x32 = x.float()
+        swapped = x32.view(*x.shape[:-1], -1, 2).flip(-1).view(x.shape)
+        return (cos * x32 + sin * swapped).type_as(x).view(B, T, H, D)
 
 
 # --- attention masks: query q attends key k <= q in its document (from a BOS) and its window ----
@@ -1113,9 +1164,9 @@ def attend(q, k, v, mask, scale):  # q, k, v: (B, T, H, D) -> (B, T, H, D); mask
 ATTN_GATE_DIMS = 12  # the attention gate reads the first 12 dimensions of the block's input
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, dim, num_heads, head_dim, rotary, scale, has_value_embed):
+    def __init__(self, dim, num_heads, head_dim, rotary, has_value_embed):
         super().__init__()
-        self.num_heads, self.head_dim, self.scale = num_heads, head_dim, scale
+        self.num_heads, self.head_dim = num_heads, head_dim
         bound = 3 ** 0.5 * 0.5 * dim ** -0.5  # uniform with std 0.5/sqrt(dim)
         qkvo = torch.empty(4, num_heads * head_dim, dim).uniform_(-bound, bound)
         qkvo[3].zero_()  # output projection starts at zero: each block starts as the identity
@@ -1123,7 +1174,7 @@ class CausalSelfAttention(nn.Module):
         self.gate_w = nn.Parameter(torch.zeros(num_heads, ATTN_GATE_DIMS))  # sigmoid(0) = 0.5 on every head
         # v = l0*v + l1*value_embed in blocks that get a value embedding, v = l0*v elsewhere
         self.v_lambdas = nn.Parameter(torch.tensor([0.5, 0.5] if has_value_embed else [0.5]))
-        self.rotary = rotary  # shared by all blocks: its tables are large at validation lengths
+        self.rotary = rotary  # shared by all blocks: its tables are large at validation lengths; it holds the scale
 
     def forward(self, x, value_embed, mask):
         B, T, _ = x.shape
@@ -1133,7 +1184,7 @@ class CausalSelfAttention(nn.Module):
         v = self.v_lambdas[0] * v
         if value_embed is not None:
             v = v + self.v_lambdas[1] * value_embed.view_as(v)
-        y = attend(q, k, v, mask, self.scale)
+        y = attend(q, k, v, mask, self.rotary.attn_scale)
         y = y * torch.sigmoid(F.linear(x[..., :ATTN_GATE_DIMS], self.gate_w.to(x.dtype))).unsqueeze(-1)
         return F.linear(y.reshape(B, T, -1), w[3])
 
@@ -1153,7 +1204,7 @@ class Block(nn.Module):
         super().__init__()
         has_attention = layer not in _layer_list(args.attention_free_layers)
         self.attn = CausalSelfAttention(args.model_dim, args.num_heads, args.head_dim, rotary,
-                                        args.attn_scale, has_value_embed) if has_attention else None
+                                        has_value_embed) if has_attention else None
         self.mlp = MLP(args.model_dim, args.mlp_ratio * args.model_dim)
         self.residual_mix = nn.Parameter(torch.tensor([1.0, 0.0]))  # x = a*x + b*x0
         self.window = args.window_pattern[layer]
@@ -1251,7 +1302,7 @@ class GPT(nn.Module):
         self.args, self.hw = args, hw
         V, D, L = args.vocab_size, args.model_dim, args.num_layers
         longest = max(_numbers(args.train_seq_len_schedule, int) + [args.train_seq_len, args.val_seq_len])
-        self.rotary = Rotary(args.head_dim, longest, args.rotary_base)
+        self.rotary = Rotary(args.head_dim, longest, args.rotary_base, args.attn_scale, args.yarn)
         self.embed = nn.Embedding(V, D)
         self.value_embeds = nn.ModuleList(nn.Embedding(V, D) for _ in range(args.num_value_embeds))
         if args.bf16_embeds:  # as in the record: half the memory and half the bytes on the wire
@@ -1671,6 +1722,11 @@ def long_window_blocks_at(step, args):
     tokens = args.window_growth_tokens * (step / args.num_iterations)
     return max(1, int(-(-tokens // args.attn_block_size)))  # float floor division is exact: a true ceiling
 
+def follow_windows(rotary, step, args):  # YaRN's state at a step: the initial one, then each window change up to it
+    rotary.reset()
+    for s in range(step + 1):
+        rotary.follow(long_window_blocks_at(s, args), args.attn_block_size)
+
 class RunLog:
     """records/<date>_<run_name>/<run_id>.txt, by rank 0, never overwritten; it appears with the
     header, so a run that fails in set-up leaves none. A failed write (a full disk) is kept in
@@ -1832,6 +1888,7 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
     def windows(step, final_validation=False):  # (long, short) window sizes in blocks: short is half the step's long
         long = long_window_blocks_at(step, args)
         short = max(long // 2, 1)
+        model.rotary.follow(long, args.attn_block_size)  # (YaRN, where the window changes)
         if final_validation and args.window_validate_final_blocks:
             long = args.window_validate_final_blocks
         return window_sizes[long], window_sizes[short]
@@ -1939,6 +1996,7 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
             resumed_loader = None
             if checkpoints is not None and checkpoints.resuming:
                 step, training_time_ms, resumed_loader, result.resumed_val_losses = checkpoints.restore(model, optimizer)
+            follow_windows(model.rotary, step, args)  # after warmup's window changes; a resumed run's
             synchronize(hw)
             t0 = time.perf_counter()
             stop.phase = "loop"  # from here on a signal ends the run at the next check, on every rank

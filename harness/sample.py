@@ -58,7 +58,8 @@ def generate(model, args, prompt_tokens, max_new_tokens, temperature=0.8, top_k=
     device = next(model.parameters()).device
     step = args.num_iterations if step is None else step
     window = torch.tensor(tg.long_window_blocks_at(step, args), device=device)
-    context = model.rotary.cos.size(0)                   # the rotary table's length
+    tg.follow_windows(model.rotary, step, args)
+    context = model.rotary.max_seq_len                   # the rotary table's positions
     generator = torch.Generator().manual_seed(seed)      # draws on the CPU: no device RNG involved
     tokens = torch.tensor([tg.BOS_TOKEN, *prompt_tokens], device=device)
     new = []
@@ -86,7 +87,7 @@ def generate(model, args, prompt_tokens, max_new_tokens, temperature=0.8, top_k=
 MODEL_FIELDS = ("vocab_size", "num_layers", "model_dim", "num_heads", "head_dim", "mlp_ratio", "attention_free_layers",
                 "num_value_embeds", "attn_scale", "rotary_base", "logit_softcap", "attn_block_size", "window_pattern",
                 "window_growth_tokens", "window_schedule", "window_final_blocks", "extension_steps", "bf16_embeds",
-                "token_windows", "train_seq_len", "train_seq_len_schedule", "val_seq_len", "num_iterations")
+                "token_windows", "yarn", "train_seq_len", "train_seq_len_schedule", "val_seq_len", "num_iterations")
 
 
 def check_against_checkpoint(args, set_fields):

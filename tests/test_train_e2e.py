@@ -128,7 +128,7 @@ SCHEDULES = {
     "staged": (dict(num_iterations=6, extension_steps=2, val_every=2, micro_batches=2, lr_plateaus="1,2",
                     cooldown_frac=0.5, muon_momentum_warmup_steps=2, muon_momentum_cooldown_steps=2,
                     window_schedule="1,2", window_final_blocks=3, window_validate_final_blocks=4, token_windows=True,
-                    train_max_doc_len=96, train_seq_len_schedule="64,128"),
+                    train_max_doc_len=96, train_seq_len_schedule="64,128", yarn=True),
                ([1, 1, 1, 1.05, 0.1, 0.1], [0.85, 0.9, 0.95, 0.95, 0.95, 0.9]), [1, 1, 2, 2, 3, 3]),
 }
 
@@ -148,8 +148,11 @@ def test_each_step_trains_with_the_schedules_at_its_own_step(make_shards, monkey
 
     shorts = []  # (in training?, short window in blocks)
 
+    scales = []  # (in training?, attention scale): YaRN's, where it follows the windows
+
     def recording_forward(self, tokens, targets, long_window_blocks, short_window_blocks=None):
         windows.append((self.training, int(long_window_blocks)))
+        scales.append((self.training, self.rotary.attn_scale))
         shorts.append((self.training, int(short_window_blocks)))
         if self.training:
             lengths.append(tokens.numel())
@@ -182,6 +185,15 @@ def test_each_step_trains_with_the_schedules_at_its_own_step(make_shards, monkey
         for step, _ in result.val_losses for _ in range(per_validation)]
     # the short window is half the step's long one (the last step's at the last validation)
     assert [w for training, w in shorts if training] == [max(long // 2, 1) for long in blocks for _ in range(per_step)]
+    if config.get("yarn"):  # each forward pass has the scale of its step's window changes (the last validation's: the last step's)
+        def scale_at(step):
+            rotary = train_gpt.Rotary(TINY["head_dim"], 8, attn_scale=args.attn_scale, yarn=True)
+            train_gpt.follow_windows(rotary, step, args)
+            return rotary.attn_scale
+        assert [x for training, x in scales if training] == [scale_at(s) for s in trained for _ in range(per_step)]
+        assert [x for training, x in scales if not training] == [scale_at(step) for step, _ in result.val_losses
+                                                                 for _ in range(per_validation)]
+        assert len({x for _, x in scales}) == 3  # windows 1, 2, 3 blocks
     assert [w for training, w in shorts if not training] == [
         max(train_gpt.long_window_blocks_at(step, args) // 2, 1) for step, _ in result.val_losses
         for _ in range(per_validation)]
