@@ -86,6 +86,9 @@ class Hyperparameters:
     window_schedule: str = ""           # "3,7,11": long window in blocks per equal part of the scheduled steps, not grown
     window_final_blocks: int = 0        # long window over the extension steps (0: window_schedule's last)
     window_validate_final_blocks: int = 0  # long window of the last validation (0: the last step's); short: the step's
+    value_gates: bool = False           # v + 2 sigmoid(W x[:12]) x value embedding per head, scales on W_qkv and W_o (2026)
+    key_offset: bool = False            # long-window layers: keys' stationary dims come from the token before (2026; --yarn)
+    paired_head_layers: str = ""        # "0,2,5,9": layers whose heads attend in pairs, one sequence of twice the length (2026; --yarn)
     token_windows: bool = False         # a window of w blocks reaches w x attn_block_size tokens back (2026); else w blocks
     fp8_head: bool = True               # FP8 lm_head where the GPU supports it (off on CPU and pre-Ada GPUs)
     bf16_embeds: bool = True            # embeddings, value embeddings and their Adam moments in bf16
@@ -1105,15 +1108,20 @@ def may_attend(q, k, docs, window_blocks, block_size, token_window=False):
     near = q - k <= window_blocks * block_size if token_window else q // block_size - k // block_size < window_blocks
     return (k <= q) & (docs[q] == docs[k]) & near
 
-def dense_attention_mask(tokens, window_blocks, block_size, token_window=False):  # (T, T) booleans for SDPA (CPU)
-    pos = torch.arange(tokens.numel(), device=tokens.device)
-    return may_attend(pos[:, None], pos[None, :], document_ids(tokens), window_blocks, block_size, token_window)
+def sequence_document_ids(tokens, paired=False):  # paired heads: each token's two positions in one document
+    docs = document_ids(tokens)
+    return docs.repeat_interleave(2) if paired else docs
 
-def flex_block_mask(tokens, window_blocks, block_size, token_window=False):
+def dense_attention_mask(tokens, window_blocks, block_size, token_window=False, paired=False):  # booleans for SDPA
+    docs = sequence_document_ids(tokens, paired)
+    pos = torch.arange(docs.numel(), device=tokens.device)
+    return may_attend(pos[:, None], pos[None, :], docs, window_blocks, block_size, token_window)
+
+def flex_block_mask(tokens, window_blocks, block_size, token_window=False, paired=False):
     """The same mask as a FlexAttention BlockMask: full blocks skip the element-wise check."""
     from torch.nn.attention.flex_attention import BlockMask
-    docs = document_ids(tokens)
-    n = tokens.numel() // block_size
+    docs = sequence_document_ids(tokens, paired)
+    n = docs.numel() // block_size
     blocks = torch.arange(n, device=tokens.device)
     first, last = docs.view(n, block_size)[:, 0], docs.view(n, block_size)[:, -1]
     q, k = blocks[:, None], blocks[None, :]
@@ -1136,12 +1144,13 @@ def flex_block_mask(tokens, window_blocks, block_size, token_window=False):
         return counts[None, None].contiguous(), indices[None, None].contiguous()
     return BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=block_size, mask_mod=mask_mod)
 
-def attention_masks(tokens, long_blocks, args, hw, short_blocks=None):
-    """Masks for the long and short windows (short: by default half the long one, at least a block)."""
+def attention_masks(tokens, long_blocks, args, hw, short_blocks=None, kinds=("L", "S")):
+    """Masks for the long and short windows (short: by default half the long one, at least a block);
+    kinds "pL", "pS": over paired heads' sequence of 2T positions."""
     short_blocks = torch.clamp(long_blocks // 2, min=1) if short_blocks is None else short_blocks
     build = flex_block_mask if hw.attention == "flex" else dense_attention_mask
-    return {name: build(tokens, blocks, args.attn_block_size, args.token_windows)
-            for name, blocks in (("L", long_blocks), ("S", short_blocks))}
+    return {kind: build(tokens, long_blocks if kind[-1] == "L" else short_blocks, args.attn_block_size,
+                        args.token_windows, paired=kind[0] == "p") for kind in kinds}
 
 def flex_attention_kernel():  # FlexAttention fuses only when compiled (else 55 GB of scores at 48k tokens)
     from torch.nn.attention.flex_attention import flex_attention
@@ -1164,29 +1173,43 @@ def attend(q, k, v, mask, scale):  # q, k, v: (B, T, H, D) -> (B, T, H, D); mask
 ATTN_GATE_DIMS = 12  # the attention gate reads the first 12 dimensions of the block's input
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, dim, num_heads, head_dim, rotary, has_value_embed):
+    def __init__(self, args, rotary, has_value_embed, key_offset=False, paired=False):
         super().__init__()
-        self.num_heads, self.head_dim = num_heads, head_dim
+        dim, self.num_heads, self.head_dim = args.model_dim, args.num_heads, args.head_dim
+        self.value_gates, self.key_offset, self.paired = args.value_gates, key_offset, paired
         bound = 3 ** 0.5 * 0.5 * dim ** -0.5  # uniform with std 0.5/sqrt(dim)
-        qkvo = torch.empty(4, num_heads * head_dim, dim).uniform_(-bound, bound)
+        qkvo = torch.empty(4, self.num_heads * self.head_dim, dim).uniform_(-bound, bound)
         qkvo[3].zero_()  # output projection starts at zero: each block starts as the identity
         self.qkvo_w = nn.Parameter(qkvo)
-        self.gate_w = nn.Parameter(torch.zeros(num_heads, ATTN_GATE_DIMS))  # sigmoid(0) = 0.5 on every head
-        # v = l0*v + l1*value_embed in blocks that get a value embedding, v = l0*v elsewhere
-        self.v_lambdas = nn.Parameter(torch.tensor([0.5, 0.5] if has_value_embed else [0.5]))
+        self.gate_w = nn.Parameter(torch.zeros(self.num_heads, ATTN_GATE_DIMS))  # sigmoid(0) = 0.5 on every head
+        if self.value_gates:  # W_qkv and W_o scaled; v + 2 sigmoid(gate) x value_embed, 1 x at the start
+            self.sa_lambdas = nn.Parameter(torch.tensor([0.5, 1.0]))
+            self.ve_gate_w = nn.Parameter(torch.zeros(self.num_heads, ATTN_GATE_DIMS)) if has_value_embed else None
+        else:  # v = l0*v + l1*value_embed in blocks that get a value embedding, v = l0*v elsewhere
+            self.v_lambdas = nn.Parameter(torch.tensor([0.5, 0.5] if has_value_embed else [0.5]))
         self.rotary = rotary  # shared by all blocks: its tables are large at validation lengths; it holds the scale
 
     def forward(self, x, value_embed, mask):
         B, T, _ = x.shape
+        H, D = self.num_heads, self.head_dim
         w = self.qkvo_w.to(x.dtype)
-        q, k, v = F.linear(x, w[:3].flatten(0, 1)).view(B, T, 3, self.num_heads, self.head_dim).unbind(2)
-        q, k = self.rotary(rms_norm(q)), self.rotary(rms_norm(k))
-        v = self.v_lambdas[0] * v
-        if value_embed is not None:
-            v = v + self.v_lambdas[1] * value_embed.view_as(v)
-        y = attend(q, k, v, mask, self.rotary.attn_scale)
+        w_qkv, w_o = (self.sa_lambdas[0] * w[:3], self.sa_lambdas[1] * w[3]) if self.value_gates else (w[:3], w[3])
+        q, k, v = F.linear(x, w_qkv.flatten(0, 1)).view(B, T, 3, H, D).unbind(2)
+        q, k = self.rotary(rms_norm(q), self.paired), self.rotary(rms_norm(k), self.paired)
+        if self.key_offset:  # the stationary dims of each key from the token before (across documents): induction in one layer
+            k = torch.cat([k[..., :D // 2], torch.cat([k[:, :1, :, D // 2:], k[:, :-1, :, D // 2:]], dim=1)], dim=-1)
+        if not self.value_gates:
+            v = self.v_lambdas[0] * v
+            if value_embed is not None:
+                v = v + self.v_lambdas[1] * value_embed.view_as(v)
+        elif value_embed is not None:
+            gate = 2 * torch.sigmoid(F.linear(x[..., :ATTN_GATE_DIMS], self.ve_gate_w.to(x.dtype)))
+            v = v + gate.unsqueeze(-1) * value_embed.view_as(v)
+        if self.paired:  # 2T positions: head j's query/key/value at t, then head H/2 + j's (as the record's views)
+            q, k, v = (t.reshape(B, 2 * T, H // 2, D) for t in (q, k, v))
+        y = attend(q, k, v, mask, self.rotary.attn_scale).reshape(B, T, H, D)
         y = y * torch.sigmoid(F.linear(x[..., :ATTN_GATE_DIMS], self.gate_w.to(x.dtype))).unsqueeze(-1)
-        return F.linear(y.reshape(B, T, -1), w[3])
+        return F.linear(y.reshape(B, T, -1), w_o)
 
 class MLP(nn.Module):
     def __init__(self, dim, hidden):
@@ -1203,16 +1226,18 @@ class Block(nn.Module):
     def __init__(self, args, layer, rotary, has_value_embed):
         super().__init__()
         has_attention = layer not in _layer_list(args.attention_free_layers)
-        self.attn = CausalSelfAttention(args.model_dim, args.num_heads, args.head_dim, rotary,
-                                        has_value_embed) if has_attention else None
+        self.window = args.window_pattern[layer]
+        paired = layer in _layer_list(args.paired_head_layers)
+        self.attn = CausalSelfAttention(args, rotary, has_value_embed, args.key_offset and self.window == "L",
+                                        paired) if has_attention else None
+        self.mask_kind = "p" * paired + self.window
         self.mlp = MLP(args.model_dim, args.mlp_ratio * args.model_dim)
         self.residual_mix = nn.Parameter(torch.tensor([1.0, 0.0]))  # x = a*x + b*x0
-        self.window = args.window_pattern[layer]
 
     def forward(self, x, x0, value_embed, masks):
         x = self.residual_mix[0] * x + self.residual_mix[1] * x0
         if self.attn is not None:
-            x = x + self.attn(rms_norm(x), value_embed, masks[self.window])
+            x = x + self.attn(rms_norm(x), value_embed, masks[self.mask_kind])
         return x + self.mlp(rms_norm(x))
 
 
@@ -1335,7 +1360,8 @@ class GPT(nn.Module):
         self.head = torch.compile(self.head, dynamic=False, backend=backend)
 
     def trunk(self, tokens, long_window_blocks, short_window_blocks=None):
-        masks = attention_masks(tokens, long_window_blocks, self.args, self.hw, short_window_blocks)
+        masks = attention_masks(tokens, long_window_blocks, self.args, self.hw, short_window_blocks,
+                                sorted({block.mask_kind for block in self.blocks if block.attn is not None}))
         x = x0 = rms_norm(self.embed(tokens)[None].to(self.hw.compute_dtype))
         value_embeds = [ve(tokens)[None].to(x.dtype) for ve in self.value_embeds]
         skips, half = [], len(self.blocks) // 2

@@ -339,6 +339,18 @@ def check_shapes(args, world_size, cuda_available):
          f"--attention_free_layers={args.attention_free_layers!r}: indices must lie in [0, {args.num_layers})")
     need(2 * args.num_value_embeds <= args.num_layers,
          f"--num_value_embeds={args.num_value_embeds}: needs at least twice as many layers ({args.num_layers})")
+    try:
+        paired = tg._layer_list(args.paired_head_layers)
+    except ValueError:
+        raise tg.ConfigError(f"--paired_head_layers={args.paired_head_layers!r}: "
+                             "expected comma-separated block indices") from None
+    need(all(0 <= i < args.num_layers and i not in free for i in paired),
+         f"--paired_head_layers={args.paired_head_layers!r}: indices must be blocks with attention in [0, {args.num_layers})")
+    for option, used in [("paired_head_layers", paired), ("key_offset", args.key_offset)]:
+        need(not used or args.yarn, f"--{option}={getattr(args, option)!r}: needs --yarn (its rotary leaves the "
+             "second half of each head's dims stationary)")
+    need(not paired or args.num_heads % 2 == 0, f"--paired_head_layers={args.paired_head_layers!r}: needs an even "
+         f"num_heads, not {args.num_heads}")
     with_value_embeds = [i for i in free if tg.value_embed_of_layer(args)[i] is not None]
     need(not with_value_embeds,
          f"--attention_free_layers={args.attention_free_layers!r}: blocks {with_value_embeds} "

@@ -18,15 +18,16 @@ def random_documents(T, n_docs, seed):
     return tokens
 
 
-def naive_allowed(tokens, window_blocks, block_size, token_window=False):
+def naive_allowed(tokens, window_blocks, block_size, token_window=False, paired=False):
     """allowed[q][k] from the rules, one position pair at a time. token_window: FlashAttention's
     window_size=(W, 0) with causal=True, as the 2026-01-19 record calls it with W = window_blocks x
-    block_size: key j is seen by query i when i - W <= j <= i (W + 1 keys with itself)."""
-    T = len(tokens)
+    block_size: key j is seen by query i when i - W <= j <= i (W + 1 keys with itself). paired:
+    over 2T positions, token t at 2t and 2t + 1 (the record's cu_seqlens doubled)."""
     doc, docs = 0, []
     for t in tokens.tolist():
         doc += t == BOS
-        docs.append(doc)
+        docs += [doc, doc] if paired else [doc]
+    T = len(docs)
     if token_window:
         W = window_blocks * block_size
         return [[q - W <= k <= q and docs[k] == docs[q] for k in range(T)] for q in range(T)]
@@ -80,6 +81,16 @@ def test_flex_block_mask_equals_naive_rule(T, block, window, n_docs, seed, token
     # Equality also proves that blocks marked full are fully allowed (the kernel skips mask_mod
     # there) and that skipped blocks hold no allowed pair.
     assert torch.equal(effective_block_mask(block_mask, T), dense)
+
+
+@pytest.mark.parametrize("T, block, window, n_docs, seed", CASES[:4])
+def test_paired_head_masks_equal_naive_rule(T, block, window, n_docs, seed):
+    tokens = random_documents(T, n_docs, seed)
+    naive = torch.tensor(naive_allowed(tokens, window, block, token_window=True, paired=True))
+    dense = train_gpt.dense_attention_mask(tokens, torch.tensor(window), block, token_window=True, paired=True)
+    block_mask = train_gpt.flex_block_mask(tokens, torch.tensor(window), block, token_window=True, paired=True)
+    assert dense.shape == (2 * T, 2 * T) and torch.equal(dense, naive)
+    assert torch.equal(effective_block_mask(block_mask, 2 * T), naive)
 
 
 def test_block_mask_uses_full_partial_and_skipped_blocks():

@@ -128,7 +128,8 @@ SCHEDULES = {
     "staged": (dict(num_iterations=6, extension_steps=2, val_every=2, micro_batches=2, lr_plateaus="1,2",
                     cooldown_frac=0.5, muon_momentum_warmup_steps=2, muon_momentum_cooldown_steps=2,
                     window_schedule="1,2", window_final_blocks=3, window_validate_final_blocks=4, token_windows=True,
-                    train_max_doc_len=96, train_seq_len_schedule="64,128", yarn=True),
+                    train_max_doc_len=96, train_seq_len_schedule="64,128", yarn=True, value_gates=True,
+                    key_offset=True, paired_head_layers="0"),
                ([1, 1, 1, 1.05, 0.1, 0.1], [0.85, 0.9, 0.95, 0.95, 0.95, 0.9]), [1, 1, 2, 2, 3, 3]),
 }
 
