@@ -76,10 +76,20 @@ class Hyperparameters:
     mlp_ratio: int = 4                  # MLP hidden width = mlp_ratio x model_dim
     attention_free_layers: str = "7"    # comma-separated block indices that have only an MLP
     num_value_embeds: int = 3           # N value embeddings, added in blocks 0..N-1 and again in the last N
+    value_embed_layers: str = ""        # per block, its value embedding's index or "." for none ("12......012", 2026)
+    bigram_vocab_size: int = 0          # >0: a hashed embedding of each token's (previous, own) pair, added at every block (2026)
+    smear: bool = False                 # each token's embedding takes a gated share of the one before (2026)
+    skip_layers: str = ""               # "3,6": block 3's output joins block 6's input through a gate (2026); "": U-net skips
+    backout_layer: int = -1             # >=0: a learned share of this block's output is taken from the last (2026)
+    resid_lambda_init: float = 1.0      # each block's input is a*x + b*x0 (+ c*bigram), a starting here (2026: 1.1)
+    init: str = "2025"                  # 2026: q,k,v std dim^-0.5, value embeddings 0, head N(0, 0.005) and embed a copy of it
     attn_scale: float = 0.12            # attention logit scale (instead of 1/sqrt(head_dim))
     rotary_base: float = 1024.0         # rotary frequencies (1/base)^linspace(0, 1)
     yarn: bool = False                  # rotary on adjacent dim pairs, bf16 tables; a long-window change stretches it, raises attn_scale (2026)
     logit_softcap: float = 15.0         # logits = 2*cap*sigmoid(z/(cap/2)): 30*sigmoid(z/7.5) at 15
+    logit_cap_height: float = 0.0       # >0: logits = height*sigmoid((z + shift)/(cap/2)) (2026: 23*sigmoid((z + 5)/7.5))
+    logit_cap_shift: float = 0.0        # ... the shift
+    mtp: bool = False                   # also predict 2 and 3 tokens ahead, weights [1, .5, .25 -> 0] by thirds of the schedule (2026)
     attn_block_size: int = 128          # FlexAttention block; windows are whole blocks
     window_pattern: str = "LSSSLSSLSSSL"  # per block: L long window, S short window (= long/2)
     window_growth_tokens: int = 1728    # long window: this x training progress, rounded up to whole blocks (>= 1)
@@ -1177,7 +1187,7 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         dim, self.num_heads, self.head_dim = args.model_dim, args.num_heads, args.head_dim
         self.value_gates, self.key_offset, self.paired = args.value_gates, key_offset, paired
-        bound = 3 ** 0.5 * 0.5 * dim ** -0.5  # uniform with std 0.5/sqrt(dim)
+        bound = 3 ** 0.5 * (1.0 if args.init == "2026" else 0.5) * dim ** -0.5  # uniform with std 0.5/sqrt(dim) (2026: 1)
         qkvo = torch.empty(4, self.num_heads * self.head_dim, dim).uniform_(-bound, bound)
         qkvo[3].zero_()  # output projection starts at zero: each block starts as the identity
         self.qkvo_w = nn.Parameter(qkvo)
@@ -1232,10 +1242,13 @@ class Block(nn.Module):
                                         paired) if has_attention else None
         self.mask_kind = "p" * paired + self.window
         self.mlp = MLP(args.model_dim, args.mlp_ratio * args.model_dim)
-        self.residual_mix = nn.Parameter(torch.tensor([1.0, 0.0]))  # x = a*x + b*x0
+        self.residual_mix = nn.Parameter(torch.tensor([args.resid_lambda_init, 0.0]))  # x = a*x + b*x0
+        self.bigram_lambda = nn.Parameter(torch.tensor([0.1])) if args.bigram_vocab_size else None
 
-    def forward(self, x, x0, value_embed, masks):
+    def forward(self, x, x0, value_embed, masks, x0_bigram=None):
         x = self.residual_mix[0] * x + self.residual_mix[1] * x0
+        if x0_bigram is not None:
+            x = x + self.bigram_lambda * x0_bigram
         if self.attn is not None:
             x = x + self.attn(rms_norm(x), value_embed, masks[self.mask_kind])
         return x + self.mlp(rms_norm(x))
@@ -1317,7 +1330,10 @@ def fp8_matmul(x, w, x_scale, w_scale, grad_scale):
 VAL_HEAD_CHUNK = 32768  # validation rows per head pass: (32768 x 50304) fp32 logits are 6.6 GB
 
 def value_embed_of_layer(args):
-    """Per block, its value embedding or None: embedding i feeds blocks i and L-n+i (012...012)."""
+    """Per block, its value embedding or None: value_embed_layers, or embedding i feeding blocks i
+    and L-n+i (012...012)."""
+    if args.value_embed_layers:
+        return [None if c == "." else int(c) for c in args.value_embed_layers]
     L, n = args.num_layers, args.num_value_embeds
     return [i if i < n else (i - (L - n) if i >= L - n else None) for i in range(L)]
 
@@ -1330,22 +1346,41 @@ class GPT(nn.Module):
         self.rotary = Rotary(args.head_dim, longest, args.rotary_base, args.attn_scale, args.yarn)
         self.embed = nn.Embedding(V, D)
         self.value_embeds = nn.ModuleList(nn.Embedding(V, D) for _ in range(args.num_value_embeds))
-        if args.bf16_embeds:  # as in the record: half the memory and half the bytes on the wire
-            self.embed.bfloat16()
-            self.value_embeds.bfloat16()
+        # (previous, own) token pairs hashed into a table, zero at the start (the record's bigram embedding)
+        self.bigram_embed = nn.Embedding(args.bigram_vocab_size, D) if args.bigram_vocab_size else None
         self.value_embed_of_layer = value_embed_of_layer(args)
         self.blocks = nn.ModuleList(Block(args, i, self.rotary, self.value_embed_of_layer[i] is not None)
                                     for i in range(L))
-        self.skip_weights = nn.Parameter(torch.ones(L // 2))
+        self.skip_layers = _layer_list(args.skip_layers)
+        if self.skip_layers:  # one skip, x += sigmoid(l) * 2 sigmoid(w x0[:12]) * (the earlier block's output)
+            self.skip_gate, self.skip_lambda = nn.Parameter(torch.zeros(ATTN_GATE_DIMS)), nn.Parameter(torch.tensor([-1.5]))
+        else:  # U-net: each encoder block's output joins its mirror decoder block
+            self.skip_weights = nn.Parameter(torch.ones(L // 2))
+        if args.smear:  # x[t] += l * sigmoid(w x[t][:12]) * x[t-1], on the embeddings
+            self.smear_gate, self.smear_lambda = nn.Parameter(torch.zeros(ATTN_GATE_DIMS)), nn.Parameter(torch.zeros(1))
+        if args.backout_layer >= 0:
+            self.backout_lambda = nn.Parameter(torch.tensor([0.5]))
         self.lm_head_w = nn.Parameter(torch.zeros(V, D))  # zero: the initial loss is exactly ln(V)
+        with torch.no_grad():
+            for embedding in [self.bigram_embed] + (list(self.value_embeds) if args.init == "2026" else []):
+                if embedding is not None:
+                    embedding.weight.zero_()
+            if args.init == "2026":  # the head small and random, the token embedding a copy of it
+                self.lm_head_w.normal_(0, 0.005)
+                self.embed.weight.copy_(self.lm_head_w)
+        if args.bf16_embeds:  # as in the record: half the memory and half the bytes on the wire
+            for embedding in [self.embed, self.bigram_embed, *self.value_embeds]:
+                if embedding is not None:
+                    embedding.bfloat16()
         self.fp8_scales = fp8_head_scales(D)
         if hw.fp8_head:
             register_fp8_ops()
 
-    def forward(self, tokens, targets, long_window_blocks, short_window_blocks=None):
+    def forward(self, tokens, targets, long_window_blocks, short_window_blocks=None, mtp_weights=None):
         """tokens, targets: (T,) int64 -> the fp32 cross-entropy summed over positions in training (as
-        the record: its FP8 scale assumes it), averaged in eval; without targets, the logits."""
-        return self.head(self.trunk(tokens, long_window_blocks, short_window_blocks), targets)
+        the record: its FP8 scale assumes it), averaged in eval; without targets, the logits.
+        mtp_weights: (K,) the loss's weights of the next K tokens (training)."""
+        return self.head(self.trunk(tokens, long_window_blocks, short_window_blocks), targets, mtp_weights)
 
     def compile_for_training(self, scope, backend="inductor"):
         """scope "model": one graph, as the record (every gradient is final only when backward is).
@@ -1362,20 +1397,33 @@ class GPT(nn.Module):
     def trunk(self, tokens, long_window_blocks, short_window_blocks=None):
         masks = attention_masks(tokens, long_window_blocks, self.args, self.hw, short_window_blocks,
                                 sorted({block.mask_kind for block in self.blocks if block.attn is not None}))
-        x = x0 = rms_norm(self.embed(tokens)[None].to(self.hw.compute_dtype))
+        x = self.embed(tokens).to(self.hw.compute_dtype)
+        if self.args.smear:  # (across documents, as the record)
+            gate = self.smear_lambda * torch.sigmoid(x[1:, :ATTN_GATE_DIMS] @ self.smear_gate.to(x.dtype))
+            x = torch.cat([x[:1], x[1:] + gate[:, None] * x[:-1]])
+        x = x0 = rms_norm(x[None])
         value_embeds = [ve(tokens)[None].to(x.dtype) for ve in self.value_embeds]
-        skips, half = [], len(self.blocks) // 2
+        x0_bigram = None if self.bigram_embed is None else \
+            self.bigram_embed(bigram_hash(tokens, self.args.bigram_vocab_size))[None].to(x.dtype)
+        skips, half, x_backout = [], len(self.blocks) // 2, None
         first_decoder = len(self.blocks) - half
         for i, block in enumerate(self.blocks):
-            if i >= first_decoder:  # U-net: the last encoder output joins the first decoder block
+            if self.skip_layers and i == self.skip_layers[1]:
+                gate = torch.sigmoid(self.skip_lambda) * 2 * torch.sigmoid(x0[..., :ATTN_GATE_DIMS] @ self.skip_gate.to(x.dtype))
+                x = x + gate[..., None] * skips.pop()
+            elif not self.skip_layers and i >= first_decoder:  # U-net: the last encoder output joins the first decoder block
                 x = x + self.skip_weights[i - first_decoder] * skips.pop()
             ve_index = self.value_embed_of_layer[i]
-            x = block(x, x0, value_embeds[ve_index] if ve_index is not None else None, masks)
-            if i < half:
+            x = block(x, x0, value_embeds[ve_index] if ve_index is not None else None, masks, x0_bigram)
+            if (i == self.skip_layers[0]) if self.skip_layers else (i < half):
                 skips.append(x)
+            if i == self.args.backout_layer:
+                x_backout = x
+        if x_backout is not None:  # what the early blocks wrote for later context, not for the prediction
+            x = x - self.backout_lambda * x_backout
         return x
 
-    def head(self, x, targets=None):
+    def head(self, x, targets=None, mtp_weights=None):
         """Final norm, the (optionally FP8) projection, the soft cap, and the loss if targets given."""
         x = rms_norm(x).flatten(0, 1)
         if targets is not None and not self.training:
@@ -1384,7 +1432,11 @@ class GPT(nn.Module):
                     for part, part_targets in zip(x.split(VAL_HEAD_CHUNK), targets.split(VAL_HEAD_CHUNK))]
             return torch.stack(sums).sum() / targets.numel()
         logits = self._soft_cap(self._logits(x))
-        return logits if targets is None else F.cross_entropy(logits, targets, reduction="sum")
+        if targets is None:
+            return logits
+        if mtp_weights is None:
+            return F.cross_entropy(logits, targets, reduction="sum")
+        return multi_token_loss(logits, targets, mtp_weights)
 
     def _logits(self, x):
         if self.hw.fp8_head and self.training:  # validation measures the model in full bf16
@@ -1392,7 +1444,20 @@ class GPT(nn.Module):
         return F.linear(x, self.lm_head_w.to(x.dtype))
 
     def _soft_cap(self, logits):
-        return 2 * self.args.logit_softcap * torch.sigmoid(logits.float() / (self.args.logit_softcap / 2))
+        height, shift, width = self.args.logit_cap_height, self.args.logit_cap_shift, self.args.logit_softcap / 2
+        if height and not self.training:  # the 2026 record caps validation's logits in their own dtype (bf16)
+            return (height * torch.sigmoid((logits + shift) / width)).float()
+        return (height or 2 * self.args.logit_softcap) * torch.sigmoid((logits.float() + shift) / width)
+
+def multi_token_loss(logits, targets, weights):
+    """sum over rows r and k of weights[k] x (cross-entropy of row r against targets[r + k]), where
+    r + k is in the micro-batch: row r also predicts k tokens further (across documents, as the record)."""
+    lse, loss = logits.logsumexp(dim=-1), logits.new_zeros(())
+    for k in range(weights.numel()):
+        rows = targets.numel() - k
+        picked = logits[:rows].gather(1, targets[k:, None]).squeeze(1)
+        loss = loss + weights[k] * (lse[:rows] - picked).sum()
+    return loss
 
 def param_specs(model, args):
     """Each parameter's optimizer and lr multiplier: Muon for block matrices, Adam for the rest."""
@@ -1406,7 +1471,7 @@ def param_specs(model, args):
     # forward order: the optimizer launches in reverse, from the head's gradient, backward's first
     lr_mults = dict(embed=args.embed_lr_mult, head=args.head_lr_mult, matrix=args.matrix_lr_mult, scalar=args.scalar_lr_mult)
     for name, p in sorted(model.named_parameters(), key=forward_position):
-        group = ("embed" if name.startswith(("embed.", "value_embeds.")) else "head" if name == "lm_head_w"
+        group = ("embed" if name.startswith(("embed.", "value_embeds.", "bigram_embed.")) else "head" if name == "lm_head_w"
                  else "matrix" if p.ndim >= 2 else "scalar")
         muon = group == "matrix" and args.matrix_optimizer != "adam"
         specs.append(ParamSpec(name, p, "muon" if muon else "adam", group, 1.0 if muon else lr_mults[group]))
@@ -1734,6 +1799,12 @@ def muon_momentum_at(step, args):  # up from start to end over the warmup, back 
 def _staged(step, scheduled, values, final):  # values[k] over the k-th equal part of the scheduled steps, then final
     return final if step >= scheduled else values[int(len(values) * (step / scheduled))]
 
+def mtp_weights_at(step, args):  # the loss's weights of the next 1-3 tokens: [1, .5, .25 -> 0], [1, .5 -> 0], [1] by thirds
+    x = step / (args.num_iterations - args.extension_steps)
+    if not args.mtp or x >= 2 / 3:
+        return [1.0]
+    return [1.0, 0.5, 0.25 * (1 - 3 * x)] if x < 1 / 3 else [1.0, 0.5 * (1 - (3 * x - 1))]
+
 def train_seq_len_at(step, args):  # the batch size schedule, per micro-batch
     lengths = _numbers(args.train_seq_len_schedule, int) or [args.train_seq_len]
     return _staged(step, args.num_iterations - args.extension_steps, lengths, lengths[-1])
@@ -1911,6 +1982,10 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
     window_sizes = {blocks: torch.tensor(blocks, device=hw.device)
                     for blocks in longs | {max(b // 2, 1) for b in longs} | {args.window_validate_final_blocks}}
 
+    # the multi-token loss's weights of each step, made once (a copy each step would make the host wait)
+    mtp_weights = ([torch.tensor(mtp_weights_at(s, args), device=hw.device) for s in range(args.num_iterations + 1)]
+                   if args.mtp else None)
+
     def windows(step, final_validation=False):  # (long, short) window sizes in blocks: short is half the step's long
         long = long_window_blocks_at(step, args)
         short = max(long // 2, 1)
@@ -1968,7 +2043,7 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
             inputs, targets = next_batch(seq_len)
             if micro == accum_steps - 1 and args.overlap_comms:
                 optimizer.arm_for_final_backward()
-            loss = model(inputs, targets, *step_windows)  # summed over the micro-batch's tokens
+            loss = model(inputs, targets, *step_windows, mtp_weights and mtp_weights[step])  # summed over its tokens
             loss.backward()
             loss_sum += loss.detach()
         optimizer.step()

@@ -23,7 +23,7 @@ FLEX_TILE = 128  # on CUDA, --attn_block_size must be a multiple (check_config s
 # Fields that take one of a fixed set of values (booleans aside); check_config and --help read this.
 CHOICES = dict(preset=tuple(tg.PRESETS), ns_method=tg.NS_METHODS, ns_backend=("auto",) + tg.NS_BACKENDS,
                muon_update_scale=("record", "moonlight"), matrix_optimizer=("muon", "adam"), device=("auto", "cpu", "cuda"),
-               compile_scope=("model", "blocks"))
+               compile_scope=("model", "blocks"), init=("2025", "2026"))
 
 
 class CheckpointMismatch(tg.ConfigError):
@@ -351,6 +351,20 @@ def check_shapes(args, world_size, cuda_available):
              "second half of each head's dims stationary)")
     need(not paired or args.num_heads % 2 == 0, f"--paired_head_layers={args.paired_head_layers!r}: needs an even "
          f"num_heads, not {args.num_heads}")
+    layout = args.value_embed_layers
+    need(not layout or (len(layout) == args.num_layers and all(c == "." or c.isdigit() and int(c) < args.num_value_embeds
+                                                                for c in layout)),
+         f"--value_embed_layers={layout!r}: needs one character per layer ({args.num_layers}), '.' or an index below "
+         f"num_value_embeds={args.num_value_embeds}")
+    try:
+        skip = tg._layer_list(args.skip_layers)
+    except ValueError:
+        skip = None
+    need(skip is not None and (not skip or len(skip) == 2 and 0 <= skip[0] < skip[1] < args.num_layers),
+         f"--skip_layers={args.skip_layers!r}: expected two block indices, from and to, 0 <= from < to < {args.num_layers}")
+    need(args.bigram_vocab_size != 1, "--bigram_vocab_size=1: needs at least 2 rows (the last is the first position's)")
+    need(-1 <= args.backout_layer < args.num_layers,
+         f"--backout_layer={args.backout_layer}: must lie in [-1, {args.num_layers}) (-1: none)")
     with_value_embeds = [i for i in free if tg.value_embed_of_layer(args)[i] is not None]
     need(not with_value_embeds,
          f"--attention_free_layers={args.attention_free_layers!r}: blocks {with_value_embeds} "
@@ -378,7 +392,7 @@ def check_config(args, world_size, cuda_available):
                  "weight_decay", "checkpoint_every", "max_new_tokens", "temperature", "top_k"]:
         need(getattr(args, name) >= 0, f"--{name}={getattr(args, name)}: must not be negative")
     for name in ["extension_steps", "window_final_blocks", "window_validate_final_blocks", "muon_momentum_cooldown_steps",
-                 "train_max_doc_len"]:
+                 "train_max_doc_len", "bigram_vocab_size", "logit_cap_height"]:
         need(getattr(args, name) >= 0, f"--{name}={getattr(args, name)}: must not be negative")
     need(args.extension_steps < args.num_iterations,
          f"--extension_steps={args.extension_steps}: must be below num_iterations={args.num_iterations}")

@@ -87,7 +87,9 @@ def generate(model, args, prompt_tokens, max_new_tokens, temperature=0.8, top_k=
 MODEL_FIELDS = ("vocab_size", "num_layers", "model_dim", "num_heads", "head_dim", "mlp_ratio", "attention_free_layers",
                 "num_value_embeds", "attn_scale", "rotary_base", "logit_softcap", "attn_block_size", "window_pattern",
                 "window_growth_tokens", "window_schedule", "window_final_blocks", "extension_steps", "bf16_embeds",
-                "token_windows", "yarn", "value_gates", "key_offset", "paired_head_layers", "train_seq_len", "train_seq_len_schedule", "val_seq_len", "num_iterations")
+                "token_windows", "yarn", "value_gates", "key_offset", "paired_head_layers", "value_embed_layers",
+                "bigram_vocab_size", "smear", "skip_layers", "backout_layer", "resid_lambda_init", "init",
+                "logit_cap_height", "logit_cap_shift", "train_seq_len", "train_seq_len_schedule", "val_seq_len", "num_iterations")
 
 
 def check_against_checkpoint(args, set_fields):

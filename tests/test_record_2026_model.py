@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import train_gpt
+from test_record_2026_data import record_bigram_hash
 
 BLOCK = 128  # the record's block_size, in which its windows count
 
@@ -199,3 +200,140 @@ def test_attention_is_the_records(kind):
              (attn.gate_w.grad, gate.grad)] + ([(attn.ve_gate_w.grad, ve_gate.grad)] if has_ve else [])
     for a, b in pairs:
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+# --- the whole model (P 1073-1301) ------------------------------------------------------------------
+
+RECORD_MODEL = dict(  # the record's architecture at width 64 (4 heads of 16), windows in blocks of 8 tokens
+    preset="cpu", num_layers=11, model_dim=64, num_heads=4, head_dim=16, attention_free_layers="6",
+    window_pattern="SSSLSSSSSSL", paired_head_layers="0,2,5,9", num_value_embeds=3, value_embed_layers="12......012",
+    skip_layers="3,6", backout_layer=7, bigram_vocab_size=1000, smear=True, resid_lambda_init=1.1, init="2026",
+    yarn=True, value_gates=True, key_offset=True, token_windows=True, logit_cap_height=23.0, logit_cap_shift=5.0,
+    mtp=True, attn_scale=0.1, attn_block_size=8, bf16_embeds=False, fp8_head=False, compile=False,
+    train_seq_len=128, val_seq_len=128,
+)
+
+
+def record_forward(P, tokens, targets, seqlens, mtp_weights, ws_short, ws_long, yarn, yarn_paired, training,
+                   block=8, head_dim=16):
+    """GPT.forward (P 1199-1301) with P's parameters (names as in the record), in fp32: its 11
+    layers' fixed structure (no attention in layer 6, paired heads in 0, 2, 5, 9, long windows and
+    the key offset in 3 and 10, the skip from 3 into 6, the backout of 7); the fused softcapped
+    multi-token loss (K 397-437) written out."""
+    L = 11
+    norm = lambda t: F.rms_norm(t, (t.size(-1),))  # noqa: E731
+    scalars = P["scalars"]
+    resid_lambdas, x0_lambdas = scalars[:L], P["x0_lambdas"]
+    sa_lambdas, bigram_lambdas = scalars[L:3 * L].view(-1, 2), scalars[3 * L:4 * L]
+    smear_lambda, backout_lambda, skip_lambda = scalars[4 * L], scalars[4 * L + 1], scalars[4 * L + 2]
+    short_bm, long_bm = ws_short * block, ws_long * block
+    bm_sizes = [short_bm] * 3 + [long_bm] + [short_bm] * 2 + [None] + [short_bm] * 3 + [long_bm]
+    key_offset = [b == long_bm for b in bm_sizes]
+    x = F.embedding(tokens, P["embed"])
+    x0_bigram = F.embedding(record_bigram_hash(tokens, 1000), P["bigram_embed"])[None]
+    ve = [F.embedding(tokens, P[f"ve{i}"]) for i in range(3)]
+    ve = [ve[1], ve[2]] + [None] * (L - 5) + [ve[0], ve[1], ve[2]]
+    smear_gate_out = smear_lambda * torch.sigmoid(F.linear(x[1:, :12], P["smear_gate"]))
+    x = torch.cat([x[:1], x[1:] + smear_gate_out * x[:-1]])
+    x = x0 = norm(x[None])
+    ag, veg = P["attn_gate_bank"].unbind(0), P["ve_gate_bank"].unbind(0)
+    attn_gates = list(ag[:6]) + [None] + list(ag[6:])
+    ve_gates = [veg[0], veg[1]] + [None] * (L - 5) + [veg[2], veg[3], veg[4]]
+    attn_index = {layer: i for i, layer in enumerate(layer for layer in range(L) if layer != 6)}
+    skips, x_backout = [], None
+    for i in range(L):
+        if i == 6:
+            x = x + torch.sigmoid(skip_lambda) * 2 * torch.sigmoid(F.linear(x0[..., :12], P["skip_gate"])) * skips.pop()
+        if i == 0:
+            x = (resid_lambdas[0] + x0_lambdas[0]) * x + bigram_lambdas[0] * x0_bigram
+        else:
+            x = resid_lambdas[i] * x + x0_lambdas[i] * x0 + bigram_lambdas[i] * x0_bigram
+        if i != 6:
+            paired = i in (0, 2, 5, 9)
+            x = x + record_attention(norm(x), P["attn_bank"][attn_index[i]], sa_lambdas[i], ve[i], ve_gates[i],
+                                     attn_gates[i], yarn_paired if paired else yarn, key_offset[i], seqlens,
+                                     bm_sizes[i], paired, head_dim)
+        c_fc, c_proj = P["mlp_bank"][i, 0], P["mlp_bank"][i, 1]  # (hidden, dim) each
+        x = x + F.relu(norm(x) @ c_fc.T).square() @ c_proj
+        if i == 3:
+            skips.append(x)
+        if i == 7:
+            x_backout = x
+    x = x - backout_lambda * x_backout
+    logits = norm(x)[0] @ P["lm_head"]  # lm_head stored (dim, vocab)
+    z = 23 * torch.sigmoid((logits + 5) / 7.5)
+    if not training:
+        return F.cross_entropy(z, targets, reduction="mean")
+    lse, rows = torch.logsumexp(z, dim=-1), torch.arange(z.size(0))
+    loss = z.new_zeros(())
+    for k, w in enumerate(mtp_weights.tolist()):
+        valid = rows + k < z.size(0)
+        loss = loss + (w * (lse[valid] - z[rows[valid], targets[rows[valid] + k]])).sum()
+    return loss
+
+
+def record_parameters(model):
+    """The record's parameter tensors, made from ours (differentiably: gradients reach ours)."""
+    blocks, L = model.blocks, len(model.blocks)
+    scalars = torch.cat([torch.cat([b.residual_mix[:1] for b in blocks]),
+                         torch.cat([b.attn.sa_lambdas if b.attn is not None else torch.tensor([0.5, 1.0]) for b in blocks]),
+                         torch.cat([b.bigram_lambda for b in blocks]),
+                         model.smear_lambda, model.backout_lambda, model.skip_lambda])
+    attn = [b.attn for b in blocks if b.attn is not None]
+    return dict(
+        scalars=scalars, x0_lambdas=torch.cat([b.residual_mix[1:] for b in blocks]),
+        embed=model.embed.weight, bigram_embed=model.bigram_embed.weight, lm_head=model.lm_head_w.T,
+        **{f"ve{i}": e.weight for i, e in enumerate(model.value_embeds)},
+        smear_gate=model.smear_gate[None], skip_gate=model.skip_gate[None],
+        attn_gate_bank=torch.stack([a.gate_w for a in attn]),
+        ve_gate_bank=torch.stack([a.ve_gate_w for a in attn if a.ve_gate_w is not None]),
+        attn_bank=torch.stack([a.qkvo_w.flatten(0, 1) for a in attn]),
+        mlp_bank=torch.stack([torch.stack([b.mlp.fc_w.T, b.mlp.proj_w.T]) for b in blocks]),
+    )
+
+
+def test_the_model_is_the_records_loss_and_gradients():
+    """Our GPT with the record's options against the record's forward pass written out, in fp32:
+    the training loss (three multi-token weights) and every parameter's gradient, the validation
+    loss; the initializations the record's (P 1128-1197) where they are exact (zeros, copies)."""
+    args = train_gpt.Hyperparameters(**RECORD_MODEL)
+    train_gpt.harness("config").check_config(args, 1, False)
+    hw = train_gpt.Hardware.detect(args)
+    torch.manual_seed(0)
+    model = train_gpt.GPT(args, hw)
+    assert torch.equal(model.embed.weight, model.lm_head_w) and 0.004 < model.lm_head_w.std() < 0.006
+    assert all(not ve.weight.any() for ve in model.value_embeds) and not model.bigram_embed.weight.any()
+    assert all(torch.equal(b.residual_mix, torch.tensor([1.1, 0.0])) for b in model.blocks)  # resid 1.1, x0 0
+    assert model.skip_lambda.item() == -1.5 and model.backout_lambda.item() == 0.5 and model.smear_lambda.item() == 0
+    bound = 3 ** 0.5 * 64 ** -0.5  # q, k, v: U(+-sqrt(3) dim^-0.5)
+    qkv = model.blocks[0].attn.qkvo_w[:3]
+    assert qkv.abs().max() <= bound and qkv.abs().max() > 0.95 * bound and not model.blocks[0].attn.qkvo_w[3].any()
+    with torch.no_grad():  # away from the zero initializations
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+        model.lm_head_w.mul_(50)  # logits of a few units: where the cap's shift shows (sigmoid' is even)
+    for window in (3, 7):  # YaRN once
+        model.rotary.follow(window, args.attn_block_size)
+    yarn, yarn_paired = RecordYarn(16, 128, block_size=8), RecordYarn(16, 128, paired=True, block_size=8)
+    yarn.apply(3, 7)
+    yarn_paired.apply(3, 7)
+    gen = torch.Generator().manual_seed(1)
+    chunk = torch.randint(0, 50257, (129,), generator=gen)
+    chunk[[0, 30, 31, 77, 100]] = train_gpt.BOS_TOKEN
+    tokens, targets = chunk[:-1], chunk[1:]
+    seqlens = torch.tensor([0, 30, 31, 77, 100, 128], dtype=torch.int32)
+    mtp = torch.tensor([1.0, 0.5, 0.2])
+    ours = model(tokens, targets, torch.tensor(7), torch.tensor(3), mtp)
+    record = record_forward(record_parameters(model), tokens, targets, seqlens, mtp, 3, 7, yarn, yarn_paired, True)
+    torch.testing.assert_close(ours, record, rtol=1e-5, atol=0)
+    params = list(model.parameters())
+    ours_grads = torch.autograd.grad(ours, params)
+    record_grads = torch.autograd.grad(record, params, allow_unused=True)
+    for (name, _), a, b in zip(model.named_parameters(), ours_grads, record_grads):
+        assert b is not None and a.abs().max() > 0, name
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * b.abs().max().item(), msg=lambda m: f"{name}: {m}")
+    model.eval()
+    with torch.no_grad():
+        ours = model(tokens, targets, torch.tensor(7), torch.tensor(3))
+        record = record_forward(record_parameters(model), tokens, targets, seqlens, None, 3, 7, yarn, yarn_paired, False)
+    torch.testing.assert_close(ours, record, rtol=1e-5, atol=0)

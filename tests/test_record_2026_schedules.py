@@ -18,6 +18,7 @@ RECORD_2026 = dict(
     muon_momentum_warmup_steps=300, muon_momentum_cooldown_steps=50,  # muon_warmup_steps=300, muon_cooldown_steps=50
     window_schedule="3,7,11", window_final_blocks=13,     # ws_schedule = (3, 7, 11); ws_final = 13
     micro_batches=8, train_seq_len_schedule="16384,32768,49152",  # grad_accum_steps = 8 // W; train_bs_schedule / 8
+    mtp=True,                                             # _build_mtp_schedule
 )
 ARGS = dataclasses.replace(train_gpt.Hyperparameters(), **RECORD_2026)
 SCHEDULED, STEPS = 1560, 1600
@@ -65,6 +66,22 @@ def test_batch_size_is_the_records_at_every_step():
     ours = [ARGS.micro_batches * train_gpt.train_seq_len_at(s, ARGS) for s in range(STEPS + 1)]
     assert ours == [record_get_bs(s) for s in range(STEPS + 1)]
     assert [s for s in range(1, STEPS + 1) if ours[s] != ours[s - 1]] == [520, 1040]
+
+
+def record_mtp_weights(step):  # P 1628-1641 (_build_mtp_schedule)
+    x = step / SCHEDULED
+    if x < 1 / 3:
+        return [1.0, 0.5, 0.25 * (1 - 3 * x)]
+    if x < 2 / 3:
+        return [1.0, 0.5 * (1 - (3 * x - 1))]
+    return [1.0]
+
+
+def test_multi_token_weights_are_the_records_at_every_step():
+    ours = [train_gpt.mtp_weights_at(s, ARGS) for s in range(STEPS + 1)]
+    assert ours == [record_mtp_weights(s) for s in range(STEPS + 1)]
+    assert [s for s in range(1, STEPS + 1) if len(ours[s]) != len(ours[s - 1])] == [520, 1040]
+    assert train_gpt.mtp_weights_at(0, train_gpt.Hyperparameters()) == [1.0]  # without --mtp: the next token only
 
 
 def test_lr_factor_is_the_records_at_every_step():

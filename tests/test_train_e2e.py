@@ -129,7 +129,9 @@ SCHEDULES = {
                     cooldown_frac=0.5, muon_momentum_warmup_steps=2, muon_momentum_cooldown_steps=2,
                     window_schedule="1,2", window_final_blocks=3, window_validate_final_blocks=4, token_windows=True,
                     train_max_doc_len=96, train_seq_len_schedule="64,128", yarn=True, value_gates=True,
-                    key_offset=True, paired_head_layers="0"),
+                    key_offset=True, paired_head_layers="0", mtp=True, value_embed_layers="0..0", bigram_vocab_size=300,
+                    smear=True, skip_layers="0,2", backout_layer=1, resid_lambda_init=1.1, init="2026",
+                    logit_cap_height=23.0, logit_cap_shift=5.0),
                ([1, 1, 1, 1.05, 0.1, 0.1], [0.85, 0.9, 0.95, 0.95, 0.95, 0.9]), [1, 1, 2, 2, 3, 3]),
 }
 
@@ -151,13 +153,17 @@ def test_each_step_trains_with_the_schedules_at_its_own_step(make_shards, monkey
 
     scales = []  # (in training?, attention scale): YaRN's, where it follows the windows
 
-    def recording_forward(self, tokens, targets, long_window_blocks, short_window_blocks=None):
+    mtp = []  # the multi-token loss's weights of each training forward pass
+
+    def recording_forward(self, tokens, targets, long_window_blocks, short_window_blocks=None, mtp_weights=None):
         windows.append((self.training, int(long_window_blocks)))
+        if self.training:
+            mtp.append(None if mtp_weights is None else mtp_weights.tolist())
         scales.append((self.training, self.rotary.attn_scale))
         shorts.append((self.training, int(short_window_blocks)))
         if self.training:
             lengths.append(tokens.numel())
-        return forward(self, tokens, targets, long_window_blocks, short_window_blocks)
+        return forward(self, tokens, targets, long_window_blocks, short_window_blocks, mtp_weights)
     monkeypatch.setattr(train_gpt.GPT, "forward", recording_forward)
     seen = []  # (steps done, lr factor, Muon momentum) after each optimizer step
     config, values, expected_blocks = SCHEDULES[schedule]
@@ -186,6 +192,10 @@ def test_each_step_trains_with_the_schedules_at_its_own_step(make_shards, monkey
         for step, _ in result.val_losses for _ in range(per_validation)]
     # the short window is half the step's long one (the last step's at the last validation)
     assert [w for training, w in shorts if training] == [max(long // 2, 1) for long in blocks for _ in range(per_step)]
+    assert mtp == [train_gpt.mtp_weights_at(s, args) if config.get("mtp") else None for s in trained
+                   for _ in range(per_step)]
+    if config.get("mtp"):  # 4 scheduled steps: three weights, then two, then one
+        assert [len(w) for w in mtp[::per_step]] == [3, 3, 2, 1, 1, 1]
     if config.get("yarn"):  # each forward pass has the scale of its step's window changes (the last validation's: the last step's)
         def scale_at(step):
             rotary = train_gpt.Rotary(TINY["head_dim"], 8, attn_scale=args.attn_scale, yarn=True)
