@@ -115,6 +115,8 @@ class Hyperparameters:
     adam_beta1: float = 0.8             # Adam first-moment decay
     adam_beta2: float = 0.95            # Adam second-moment decay
     adam_eps: float = 1e-10             # Adam epsilon
+    adam_table: str = "2025"            # 2025: the fields' betas and lr multipliers; 2026: ADAM_2026 (per kind, fp32 moments)
+    adam_weight_decay: float = 0.0      # x the kind's multiplier x lr^2: cautious decay where the step shrinks p (2026: 0.005)
     embed_lr_mult: float = 75.0         # embeddings train at adam_lr * this
     head_lr_mult: float = 1.0           # lm_head trains at adam_lr * this
     scalar_lr_mult: float = 5.0         # scalar parameters train at adam_lr * this
@@ -674,8 +676,10 @@ class ParamSpec:
     name: str
     param: nn.Parameter
     optimizer: str        # "muon" or "adam"
-    group: str            # matrix, embed, head or scalar
+    group: str            # matrix, or Adam's kind: embed, head, scalar (ADAM_2026's with --adam_table 2026)
     lr_mult: float = 1.0
+    betas: tuple = (0.8, 0.95)  # Adam's
+    wd_mult: float = 0.0  # Adam's weight decay: adam_weight_decay x this
 
 @dataclass
 class MatrixSlot:
@@ -716,7 +720,7 @@ class MuonBucket(CommUnit):
 
 class AdamShard(CommUnit):
     """A large Adam parameter whose rows are split over ranks."""
-    def __init__(self, spec, world_size, device, adam_lr):
+    def __init__(self, spec, world_size, device, adam_lr, weight_decay=0.0, moment_dtype=None):
         super().__init__([spec.param])
         self.spec, self.lr = spec, torch.tensor(adam_lr * spec.lr_mult, device=device)  # a tensor: not a graph constant
         rows = spec.param.shape[0]
@@ -727,18 +731,25 @@ class AdamShard(CommUnit):
         self.grad_buffer = self.param_buffer = None  # at world size 1 no rows are padded
         if self.padded_rows != rows:
             self.grad_buffer, self.param_buffer = make(padded_shape), make(padded_shape)
-        # moments in the parameter's dtype, as the record keeps them (bf16 for bf16 embeddings)
-        self.exp_avg = make((self.rows_per_rank, *spec.param.shape[1:]))
+        # moments in the parameter's dtype as the 2025 record keeps them (bf16 for bf16 embeddings); fp32 in 2026's
+        self.exp_avg = make((self.rows_per_rank, *spec.param.shape[1:]), dtype=moment_dtype or spec.param.dtype)
         self.exp_avg_sq = torch.zeros_like(self.exp_avg)
+        self.decay = torch.tensor(adam_lr ** 2 * spec.lr_mult ** 2 * spec.wd_mult * weight_decay, device=device) \
+            if spec.wd_mult * weight_decay else None
 
 class SmallParams(CommUnit):
-    """The parameters too small to shard, updated as one flat fp32 vector: one Adam pass."""
-    def __init__(self, specs, adam_lr, device):
+    """The parameters too small to shard with one pair of betas, updated as one flat fp32 vector:
+    one Adam pass (the 2025 record's are all one; the 2026 record's two)."""
+    def __init__(self, specs, adam_lr, device, weight_decay=0.0):
         super().__init__([s.param for s in specs])
         self.specs = specs
         self.numels = [s.param.numel() for s in specs]
-        self.lr = torch.tensor([adam_lr * s.lr_mult for s in specs]).repeat_interleave(
+        per_element = lambda values: torch.tensor(values).repeat_interleave(  # noqa: E731
             torch.tensor(self.numels, dtype=torch.long)).to(device)
+        self.lr = per_element([adam_lr * s.lr_mult for s in specs])
+        self.betas = specs[0].betas
+        decays = [adam_lr ** 2 * s.lr_mult ** 2 * s.wd_mult * weight_decay for s in specs]
+        self.decay = per_element(decays) if any(decays) else None
         self.exp_avg = torch.zeros(sum(self.numels), device=device)
         self.exp_avg_sq = torch.zeros_like(self.exp_avg)
         self.flat = None
@@ -758,8 +769,10 @@ class ShardedMuonAdam:
         device, W = hw.device, self.world_size
         self.adam_update = adam_apply  # or compiled, by compile_adam()
         self.orthogonalize = orthogonalize  # or compiled, by compile_orthogonalizer()
-        # lr_factor x Adam's bias corrections: a device scalar, new each step without recompiling
-        self.adam_scale = torch.ones((), device=device)
+        # lr_factor x Adam's bias corrections per pair of betas, and lr_factor^2 for the decay: device
+        # scalars, new each step without recompiling
+        self.adam_scales = {s.betas: torch.ones((), device=device) for s in specs if s.optimizer == "adam"}
+        self.decay_scale = torch.ones((), device=device)
         # Units in the order backward finishes their gradients: the head, the blocks from the last,
         # the embeddings and scalars; every rank issues the same collectives in the same order.
         order = {id(s.param): i for i, s in enumerate(specs)}
@@ -801,13 +814,17 @@ class ShardedMuonAdam:
         adam_specs = [s for s in specs if s.optimizer == "adam"]
         is_big = lambda s: s.param.ndim >= 2 and s.param.numel() >= args.adam_shard_min_numel  # noqa: E731
         small = [s for s in adam_specs if not is_big(s)]
-        self.adam_shards = [AdamShard(s, W, device, args.adam_lr) for s in adam_specs if is_big(s)]
-        self.small = SmallParams(small, args.adam_lr, device)
-        parts = zip(self.small.exp_avg.split(self.small.numels), self.small.exp_avg_sq.split(self.small.numels))
-        self.state_small = {id(s.param): (m.view_as(s.param), v.view_as(s.param)) for s, (m, v) in zip(small, parts)}
-        units += self.adam_shards
-        if small:
-            units.append(self.small)
+        moment_dtype = torch.float32 if args.adam_table == "2026" else None
+        self.adam_shards = [AdamShard(s, W, device, args.adam_lr, args.adam_weight_decay, moment_dtype)
+                            for s in adam_specs if is_big(s)]
+        self.smalls = [SmallParams([s for s in small if s.betas == betas], args.adam_lr, device, args.adam_weight_decay)
+                       for betas in dict.fromkeys(s.betas for s in small)]
+        self.state_small = {}
+        for unit in self.smalls:
+            parts = zip(unit.exp_avg.split(unit.numels), unit.exp_avg_sq.split(unit.numels))
+            self.state_small.update({id(s.param): (m.view_as(s.param), v.view_as(s.param))
+                                     for s, (m, v) in zip(unit.specs, parts)})
+        units += self.adam_shards + self.smalls
         earliest_use = lambda unit: min(order[id(p)] for p in unit.params)
         self.units = sorted(units, key=earliest_use, reverse=True)
         self._armed, self._next_unit, self._units_of = False, 0, {}
@@ -879,7 +896,7 @@ class ShardedMuonAdam:
             if unit.grad_buffer is not None:
                 unit.grad_buffer[:grad.shape[0]].copy_(grad)
                 grad = unit.grad_buffer
-            unit.local_grad = torch.empty_like(unit.exp_avg)
+            unit.local_grad = grad.new_empty(unit.exp_avg.shape)  # (the moments may be fp32, the gradient bf16)
             unit.work = self.comm.reduce_scatter(unit.local_grad, grad)
         else:
             unit.flat = torch.cat([s.param.grad.flatten() for s in unit.specs])
@@ -909,10 +926,13 @@ class ShardedMuonAdam:
         self._armed = False
         gathers = [finish for group in self.muon_groups for finish in self._muon_update(group)]
         self.adam_steps += 1
-        b1, b2, t = self.args.adam_beta1, self.args.adam_beta2, self.adam_steps
-        self.adam_scale.fill_(self.lr_factor * (1 - b2 ** t) ** 0.5 / (1 - b1 ** t))
+        t = self.adam_steps
+        for (b1, b2), scale in self.adam_scales.items():
+            scale.fill_(self.lr_factor * (1 - b2 ** t) ** 0.5 / (1 - b1 ** t))
+        self.decay_scale.fill_(self.lr_factor ** 2)
         gathers += [finish for shard in self.adam_shards for finish in self._adam_shard_update(shard)]
-        self._small_update()
+        for small in self.smalls:
+            self._small_update(small)
         for finish in gathers:
             finish()
 
@@ -956,14 +976,15 @@ class ShardedMuonAdam:
         return [b.slots[i] if i < len(b.slots) else None for b in group["buckets"]
                 for i in range(self.rank * b.per_rank, (self.rank + 1) * b.per_rank)]
 
-    def _adam(self, param, grad, exp_avg, exp_avg_sq, lr):
-        self.adam_update(param, grad, exp_avg, exp_avg_sq, lr, self.adam_scale, self.args.adam_beta1,
-                         self.args.adam_beta2, self.args.adam_eps)
+    def _adam(self, param, grad, exp_avg, exp_avg_sq, lr, betas, decay):
+        self.adam_update(param, grad, exp_avg, exp_avg_sq, lr, self.adam_scales[betas], *betas, self.args.adam_eps,
+                         None if decay is None else decay * self.decay_scale)
 
     def _adam_shard_update(self, shard):
         p = shard.spec.param
         if self.world_size == 1:
-            self._adam(p, self._unaccumulate(p.grad), shard.exp_avg, shard.exp_avg_sq, shard.lr)
+            self._adam(p, self._unaccumulate(p.grad), shard.exp_avg, shard.exp_avg_sq, shard.lr, shard.spec.betas,
+                       shard.decay)
             return []
         self.comm.wait(shard.work)
         rows = shard.rows_per_rank
@@ -972,7 +993,8 @@ class ShardedMuonAdam:
         if shard.param_buffer is not None:
             shard.param_buffer[:p.shape[0]].copy_(p)
         local = full[start:start + rows].clone()
-        self._adam(local, self._unaccumulate(shard.local_grad), shard.exp_avg, shard.exp_avg_sq, shard.lr)
+        self._adam(local, self._unaccumulate(shard.local_grad), shard.exp_avg, shard.exp_avg_sq, shard.lr,
+                   shard.spec.betas, shard.decay)
         work = self.comm.all_gather(full, local)
         def finish():
             self.comm.wait(work)
@@ -980,16 +1002,13 @@ class ShardedMuonAdam:
                 p.copy_(shard.param_buffer[:p.shape[0]])
         return [finish]
 
-    def _small_update(self):
-        small = self.small
-        if not small.specs:
-            return
+    def _small_update(self, small):
         params = [s.param for s in small.specs]
         if self.world_size > 1:
             self.comm.wait(small.work)
         grad = small.flat if self.world_size > 1 else torch.cat([p.grad.flatten() for p in params])
         flat = torch.cat([p.detach().flatten() for p in params])
-        self._adam(flat, self._unaccumulate(grad), small.exp_avg, small.exp_avg_sq, small.lr)
+        self._adam(flat, self._unaccumulate(grad), small.exp_avg, small.exp_avg_sq, small.lr, small.betas, small.decay)
         torch._foreach_copy_(params, [t.view_as(p) for t, p in zip(flat.split(small.numels), params)])
 
     def _unaccumulate(self, grad):  # the sum over this rank's micro-steps, in place, as their mean
@@ -1017,12 +1036,16 @@ def normuon_normalize(update, second_moment, beta2, eps=1e-10):
     scale = update.norm(dim=(-2, -1), keepdim=True) / normalized.norm(dim=(-2, -1), keepdim=True).clamp_min(eps)
     return normalized * scale
 
-def adam_apply(param, grad, exp_avg, exp_avg_sq, lr, scale, beta1, beta2, eps):
+def adam_apply(param, grad, exp_avg, exp_avg_sq, lr, scale, beta1, beta2, eps, decay=None):
     """Adam as the record computes it: eps on the uncorrected sqrt(v), the bias corrections folded
-    into scale = lr_factor x sqrt(1 - beta2^t) / (1 - beta1^t)."""
+    into scale = lr_factor x sqrt(1 - beta2^t) / (1 - beta1^t). decay (2026): cautious weight decay,
+    lr^2 x weight decay, only where the step shrinks |p|."""
     exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    param.sub_(exp_avg.div(exp_avg_sq.sqrt().add_(eps)).mul_(lr * scale))
+    update = exp_avg.div(exp_avg_sq.sqrt().add_(eps)).mul_(lr * scale)
+    if decay is not None:
+        update.add_(param * (update * param > 0) * decay)
+    param.sub_(update)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -1242,11 +1265,12 @@ class Block(nn.Module):
                                         paired) if has_attention else None
         self.mask_kind = "p" * paired + self.window
         self.mlp = MLP(args.model_dim, args.mlp_ratio * args.model_dim)
-        self.residual_mix = nn.Parameter(torch.tensor([args.resid_lambda_init, 0.0]))  # x = a*x + b*x0
+        # x = a*x + b*x0: two parameters, as Adam treats them apart in the 2026 record
+        self.resid_lambda, self.x0_lambda = nn.Parameter(torch.tensor([args.resid_lambda_init])), nn.Parameter(torch.zeros(1))
         self.bigram_lambda = nn.Parameter(torch.tensor([0.1])) if args.bigram_vocab_size else None
 
     def forward(self, x, x0, value_embed, masks, x0_bigram=None):
-        x = self.residual_mix[0] * x + self.residual_mix[1] * x0
+        x = self.resid_lambda * x + self.x0_lambda * x0
         if x0_bigram is not None:
             x = x + self.bigram_lambda * x0_bigram
         if self.attn is not None:
@@ -1459,6 +1483,20 @@ def multi_token_loss(logits, targets, weights):
         loss = loss + weights[k] * (lse[:rows] - picked).sum()
     return loss
 
+# The 2026-01-19 record's Adam, by kind of parameter: (beta1, beta2, lr multiplier, weight decay multiplier)
+ADAM_2026 = {"head": (0.5, 0.95, 1.0, 150.0), "embed": (0.5, 0.95, 1.0, 150.0),
+             "value_embed": (0.75, 0.95, 75.0, 5.0),   # the value embeddings and the bigram embedding
+             "gate": (0.9, 0.99, 1.0, 1.0),            # attention's and the value embeddings' gates
+             "smear_gate": (0.9, 0.99, 0.01, 0.0), "skip_gate": (0.9, 0.99, 0.05, 0.0),
+             "x0_lambda": (0.65, 0.95, 5.0, 0.0), "scalar": (0.9, 0.99, 5.0, 0.0)}
+
+def adam_kind_2026(name):
+    if name in ("lm_head_w", "smear_gate", "skip_gate"):
+        return {"lm_head_w": "head"}.get(name, name)
+    if name.startswith(("embed.", "value_embeds.", "bigram_embed.")):
+        return "embed" if name.startswith("embed.") else "value_embed"
+    return "gate" if name.endswith("gate_w") else "x0_lambda" if name.endswith("x0_lambda") else "scalar"
+
 def param_specs(model, args):
     """Each parameter's optimizer and lr multiplier: Muon for block matrices, Adam for the rest."""
     specs = []
@@ -1473,8 +1511,13 @@ def param_specs(model, args):
     for name, p in sorted(model.named_parameters(), key=forward_position):
         group = ("embed" if name.startswith(("embed.", "value_embeds.", "bigram_embed.")) else "head" if name == "lm_head_w"
                  else "matrix" if p.ndim >= 2 else "scalar")
+        if args.adam_table == "2026" and (group != "matrix" or name.endswith("gate_w")):  # gates: Adam's too
+            beta1, beta2, lr_mult, wd_mult = ADAM_2026[adam_kind_2026(name)]
+            specs.append(ParamSpec(name, p, "adam", adam_kind_2026(name), lr_mult, (beta1, beta2), wd_mult))
+            continue
         muon = group == "matrix" and args.matrix_optimizer != "adam"
-        specs.append(ParamSpec(name, p, "muon" if muon else "adam", group, 1.0 if muon else lr_mults[group]))
+        specs.append(ParamSpec(name, p, "muon" if muon else "adam", group, 1.0 if muon else lr_mults[group],
+                               (args.adam_beta1, args.adam_beta2)))
     return specs
 
 

@@ -23,7 +23,7 @@ FLEX_TILE = 128  # on CUDA, --attn_block_size must be a multiple (check_config s
 # Fields that take one of a fixed set of values (booleans aside); check_config and --help read this.
 CHOICES = dict(preset=tuple(tg.PRESETS), ns_method=tg.NS_METHODS, ns_backend=("auto",) + tg.NS_BACKENDS,
                muon_update_scale=("record", "moonlight"), matrix_optimizer=("muon", "adam"), device=("auto", "cpu", "cuda"),
-               compile_scope=("model", "blocks"), init=("2025", "2026"))
+               compile_scope=("model", "blocks"), init=("2025", "2026"), adam_table=("2025", "2026"))
 
 
 class CheckpointMismatch(tg.ConfigError):
@@ -116,6 +116,10 @@ def parse_config(argv, environ, world_size=1, cuda_available=None, verify_checkp
         sample_only = sorted({"prompt", "max_new_tokens", "temperature", "top_k"} & set_fields)
         if sample_only and not args.sample:  # a training run would ignore them in silence
             raise tg.ConfigError(f"--{sample_only[0]}: only --sample reads it (--sample CHECKPOINT --{sample_only[0]} ...)")
+        table_set = sorted({"adam_beta1", "adam_beta2", "embed_lr_mult", "head_lr_mult", "scalar_lr_mult"} & set_fields)
+        if table_set and args.adam_table == "2026":
+            raise tg.ConfigError(f"--{table_set[0]}: --adam_table 2026 takes Adam's betas and lr multipliers from "
+                                 "ADAM_2026 in train_gpt.py (edit it there)")
     except tg.ConfigError as e:
         if not help_requested:
             try:
@@ -392,7 +396,7 @@ def check_config(args, world_size, cuda_available):
                  "weight_decay", "checkpoint_every", "max_new_tokens", "temperature", "top_k"]:
         need(getattr(args, name) >= 0, f"--{name}={getattr(args, name)}: must not be negative")
     for name in ["extension_steps", "window_final_blocks", "window_validate_final_blocks", "muon_momentum_cooldown_steps",
-                 "train_max_doc_len", "bigram_vocab_size", "logit_cap_height"]:
+                 "train_max_doc_len", "bigram_vocab_size", "logit_cap_height", "adam_weight_decay"]:
         need(getattr(args, name) >= 0, f"--{name}={getattr(args, name)}: must not be negative")
     need(args.extension_steps < args.num_iterations,
          f"--extension_steps={args.extension_steps}: must be below num_iterations={args.num_iterations}")

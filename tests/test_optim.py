@@ -180,7 +180,7 @@ def test_adam_matrices_step_is_adam_at_the_matrix_lr():
     optimizer.step()
     b1, b2, eps = args.adam_beta1, args.adam_beta2, args.adam_eps
     assert {s.group for s in specs} == {"matrix", "embed", "head", "scalar"}
-    assert {id(s.param) for s in specs} > {id(p) for p in optimizer.small.params}  # some sharded, some flat
+    assert {id(s.param) for s in specs} > {id(p) for unit in optimizer.smalls for p in unit.params}  # some sharded, some flat
     for s in specs:
         g = grads[s.name]
         m, v = (1 - b1) * g, (1 - b2) * g ** 2
@@ -285,7 +285,7 @@ def test_compiled_adam_compiles_once_per_kind_of_tensor():
     specs = train_gpt.param_specs(model, args)
     optimizer = train_gpt.ShardedMuonAdam(specs, args, train_gpt.Ranks(), hw)
     kinds = {(tuple(s.spec.param.shape), s.spec.param.dtype) for s in optimizer.adam_shards}
-    assert len(kinds) == 2 and len(optimizer.adam_shards) == 3 and optimizer.small.specs
+    assert len(kinds) == 2 and len(optimizer.adam_shards) == 3 and len(optimizer.smalls) == 1
     torch._dynamo.reset()
     counters.clear()
     graphs = []

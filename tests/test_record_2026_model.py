@@ -275,13 +275,13 @@ def record_forward(P, tokens, targets, seqlens, mtp_weights, ws_short, ws_long, 
 def record_parameters(model):
     """The record's parameter tensors, made from ours (differentiably: gradients reach ours)."""
     blocks, L = model.blocks, len(model.blocks)
-    scalars = torch.cat([torch.cat([b.residual_mix[:1] for b in blocks]),
+    scalars = torch.cat([torch.cat([b.resid_lambda for b in blocks]),
                          torch.cat([b.attn.sa_lambdas if b.attn is not None else torch.tensor([0.5, 1.0]) for b in blocks]),
                          torch.cat([b.bigram_lambda for b in blocks]),
                          model.smear_lambda, model.backout_lambda, model.skip_lambda])
     attn = [b.attn for b in blocks if b.attn is not None]
     return dict(
-        scalars=scalars, x0_lambdas=torch.cat([b.residual_mix[1:] for b in blocks]),
+        scalars=scalars, x0_lambdas=torch.cat([b.x0_lambda for b in blocks]),
         embed=model.embed.weight, bigram_embed=model.bigram_embed.weight, lm_head=model.lm_head_w.T,
         **{f"ve{i}": e.weight for i, e in enumerate(model.value_embeds)},
         smear_gate=model.smear_gate[None], skip_gate=model.skip_gate[None],
@@ -303,7 +303,7 @@ def test_the_model_is_the_records_loss_and_gradients():
     model = train_gpt.GPT(args, hw)
     assert torch.equal(model.embed.weight, model.lm_head_w) and 0.004 < model.lm_head_w.std() < 0.006
     assert all(not ve.weight.any() for ve in model.value_embeds) and not model.bigram_embed.weight.any()
-    assert all(torch.equal(b.residual_mix, torch.tensor([1.1, 0.0])) for b in model.blocks)  # resid 1.1, x0 0
+    assert all(b.resid_lambda.item() == torch.tensor(1.1).item() and b.x0_lambda.item() == 0 for b in model.blocks)
     assert model.skip_lambda.item() == -1.5 and model.backout_lambda.item() == 0.5 and model.smear_lambda.item() == 0
     bound = 3 ** 0.5 * 64 ** -0.5  # q, k, v: U(+-sqrt(3) dim^-0.5)
     qkv = model.blocks[0].attn.qkvo_w[:3]

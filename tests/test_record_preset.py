@@ -123,13 +123,13 @@ def test_every_parameter_matches_the_record():
     # per attention block (v = l0*v [+ l1*ve]) (0.5, 0.5), and the U-net skip weights (ones).
     scalars = {name: spec for name, spec in specs.items() if name not in seen}
     assert all(s.optimizer == "adam" and effective_lr(s) == pytest.approx(0.04) for s in scalars.values())
-    assert {n: s.param.numel() for n, s in scalars.items() if n.endswith("residual_mix")} == \
-        {f"blocks.{i}.residual_mix": 2 for i in range(12)}
+    assert {n: s.param.numel() for n, s in scalars.items() if n.endswith(("resid_lambda", "x0_lambda"))} == \
+        {f"blocks.{i}.{name}": 1 for i in range(12) for name in ("resid_lambda", "x0_lambda")}
     value_embed_blocks = {0, 1, 2, 9, 10, 11}
     assert {n: s.param.numel() for n, s in scalars.items() if n.endswith("v_lambdas")} == \
         {f"blocks.{i}.attn.v_lambdas": 2 if i in value_embed_blocks else 1 for i in range(12) if i != 7}
     assert scalars["skip_weights"].param.numel() == 6      # skip_weights[i - n] for i >= n = 6
-    assert len(scalars) == 12 + 11 + 1
+    assert len(scalars) == 2 * 12 + 11 + 1
 
 
 def test_parameter_count_and_dtypes():
