@@ -133,9 +133,12 @@ class Hyperparameters:
     ns_coeffs: str = ""                 # "a,b,c;a,b,c;...": replaces ns_method's table, one quintic per step
     ns_backend: str = "auto"            # triton on CUDA, torch elsewhere; or force one
     muon_update_scale: str = "record"   # update x muon_lr*max(1, rows/cols)^0.5 (record) or adam_lr*0.2*max(rows, cols)^0.5
+                                        # (moonlight) or muon_lr*(long side/short side)^0.5 (aspect: the 2026 record's)
+    mlp_proj_lr_mult: float = 1.0       # the MLP's output matrices' Muon lr x this (2026: 2)
     normuon: bool = False               # NorMuon variance normalization after orthogonalization
     normuon_beta2: float = 0.95         # NorMuon second-moment decay
     weight_decay: float = 0.0           # Muon weight decay (decoupled, scaled by lr)
+    muon_decay: str = "lr"              # the decay's coefficient: weight_decay x lr, or x lr x the matrix's lr (lr2, 2026)
     cautious_wd: bool = False           # decay only entries where update and parameter agree in sign
     overlap_comms: bool = True          # launch gradient reduce-scatters from backward hooks
     # loop
@@ -698,6 +701,8 @@ class MatrixSlot:
         rows, cols = self.spec.param.shape[-2:]
         if self.update_scale == "moonlight":  # Liu et al. 2025: AdamW's typical update RMS, so Muon shares adam_lr
             return 0.2 * max(rows, cols) ** 0.5 * self.spec.lr_mult
+        if self.update_scale == "aspect":  # the 2026 record's rule on its (hidden, dim) MLP storage, ours (dim, hidden)
+            return (max(rows, cols) / min(rows, cols)) ** 0.5 * self.spec.lr_mult
         return max(1.0, rows / cols) ** 0.5 * self.spec.lr_mult
 
 class CommUnit:
@@ -794,7 +799,9 @@ class ShardedMuonAdam:
                          reduced=torch.empty(owned, *shape, device=device) if W > 1 else grad_stack,
                          param_stack=torch.empty(padded, *shape, device=device) if W > 1 else None,
                          momentum=torch.zeros(owned, *shape, device=device),
-                         second_moment=torch.zeros(owned, 1, shape[1], device=device) if args.normuon else None,
+                         # NorMuon: a statistic per row of square matrices, per column of the others' wide view
+                         second_moment=torch.zeros(owned, *((shape[0], 1) if shape[0] == shape[1] else (1, shape[1])),
+                                                   device=device) if args.normuon else None,
                          param_buffer=torch.zeros(owned, *shape, device=device))
             start = local = 0
             for b in buckets:  # each bucket works on its own slice of the group's tensors
@@ -951,13 +958,15 @@ class ShardedMuonAdam:
         update = self.orthogonalize(update.to(self.hw.compute_dtype), args.ns_method, self.hw.ns_backend,
                                     self.ns_coeffs).float()
         if group["second_moment"] is not None:
-            update = normuon_normalize(update, group["second_moment"], args.normuon_beta2)
+            update = normuon_normalize(update, group["second_moment"], args.normuon_beta2,
+                                       -1 if group["second_moment"].size(-1) == 1 else -2)
         params = group["param_buffer"]
         if group["real"]:  # a rank may own only padding of a small group (e.g. 4 gates at world size 3)
             torch._foreach_copy_([params[i] for i in group["real"]],
                                  [mine[i].view(mine[i].spec.param) for i in group["real"]])
         lr = (args.adam_lr if args.muon_update_scale == "moonlight" else args.muon_lr) * self.lr_factor
-        new_params = muon_apply(params, update, lr * group["lr_scale"], lr * args.weight_decay, args.cautious_wd)
+        decay = lr * args.weight_decay * (lr * group["lr_scale"] if args.muon_decay == "lr2" else 1)
+        new_params = muon_apply(params, update, lr * group["lr_scale"], decay, args.cautious_wd)
         if W == 1:
             torch._foreach_copy_([slot.view(slot.spec.param) for slot in mine], list(new_params))
             return []
@@ -1020,21 +1029,24 @@ class ShardedMuonAdam:
 
 def muon_apply(params, update, lr, decay, cautious):
     """p - lr*update (lr: a number, or one per matrix), with decoupled weight decay (cautious: only
-    where update and parameter agree in sign, where the step already shrinks p)."""
-    if decay:
+    where update and parameter agree in sign, where the step already shrinks p). decay: likewise."""
+    if isinstance(decay, torch.Tensor) or decay:
         mask = (update * params >= 0).to(params.dtype) if cautious else 1.0
         params = params - decay * params * mask
     if isinstance(lr, torch.Tensor):
         return params - lr * update
     return torch.add(params, update, alpha=-lr)  # the record's p.add_(v, alpha=-lr): one rounding (an FMA)
 
-def normuon_normalize(update, second_moment, beta2, eps=1e-10):
-    """NorMuon: each column over the root of an EMA of its mean square, Frobenius norm kept."""
-    mean_sq = update.square().mean(dim=-2, keepdim=True)
+def normuon_normalize(update, second_moment, beta2, dim, eps=1e-10):
+    """NorMuon as the 2026 record computes it: each row (dim -1) or column (dim -2) over the root of
+    an EMA of its mean square, the Frobenius norm kept (the norms from the mean squares)."""
+    mean_sq = update.float().square().mean(dim=dim, keepdim=True)
+    size = update.size(dim)
+    norm = (mean_sq.sum(dim=(-2, -1), keepdim=True) * size).sqrt()
     second_moment.lerp_(mean_sq, 1 - beta2)
-    normalized = update * (second_moment + eps).rsqrt()
-    scale = update.norm(dim=(-2, -1), keepdim=True) / normalized.norm(dim=(-2, -1), keepdim=True).clamp_min(eps)
-    return normalized * scale
+    step = second_moment.clamp_min(eps).rsqrt()
+    new_norm = (mean_sq * size * step.square()).sum(dim=(-2, -1), keepdim=True).sqrt()
+    return update * (step * (norm / new_norm.clamp_min(eps))).type_as(update)
 
 def adam_apply(param, grad, exp_avg, exp_avg_sq, lr, scale, beta1, beta2, eps, decay=None):
     """Adam as the record computes it: eps on the uncorrected sqrt(v), the bias corrections folded
@@ -1516,7 +1528,8 @@ def param_specs(model, args):
             specs.append(ParamSpec(name, p, "adam", adam_kind_2026(name), lr_mult, (beta1, beta2), wd_mult))
             continue
         muon = group == "matrix" and args.matrix_optimizer != "adam"
-        specs.append(ParamSpec(name, p, "muon" if muon else "adam", group, 1.0 if muon else lr_mults[group],
+        muon_lr_mult = args.mlp_proj_lr_mult if name.endswith("mlp.proj_w") else 1.0
+        specs.append(ParamSpec(name, p, "muon" if muon else "adam", group, muon_lr_mult if muon else lr_mults[group],
                                (args.adam_beta1, args.adam_beta2)))
     return specs
 

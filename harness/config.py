@@ -22,7 +22,7 @@ FIELD_NAMES = frozenset(FIELD_TYPES)
 FLEX_TILE = 128  # on CUDA, --attn_block_size must be a multiple (check_config says why)
 # Fields that take one of a fixed set of values (booleans aside); check_config and --help read this.
 CHOICES = dict(preset=tuple(tg.PRESETS), ns_method=tg.NS_METHODS, ns_backend=("auto",) + tg.NS_BACKENDS,
-               muon_update_scale=("record", "moonlight"), matrix_optimizer=("muon", "adam"), device=("auto", "cpu", "cuda"),
+               muon_update_scale=("record", "moonlight", "aspect"), muon_decay=("lr", "lr2"), matrix_optimizer=("muon", "adam"), device=("auto", "cpu", "cuda"),
                compile_scope=("model", "blocks"), init=("2025", "2026"), adam_table=("2025", "2026"))
 
 
@@ -388,8 +388,8 @@ def check_config(args, world_size, cuda_available):
     positive = ["val_tokens", "train_seq_len", "val_seq_len", "micro_batches", "vocab_size", "num_layers",
                 "model_dim", "num_heads", "head_dim", "mlp_ratio", "attn_block_size", "num_iterations",
                 "window_growth_tokens", "muon_bucket_matrices", "dist_timeout_s", "check_every", "adam_lr", "muon_lr",
-                "embed_lr_mult", "head_lr_mult", "scalar_lr_mult", "matrix_lr_mult", "attn_scale", "logit_softcap",
-                "rotary_base", "adam_shard_min_numel", "adam_eps"]  # eps 0: an unseen token's row is 0/0
+                "embed_lr_mult", "head_lr_mult", "scalar_lr_mult", "matrix_lr_mult", "mlp_proj_lr_mult", "attn_scale",
+                "logit_softcap", "rotary_base", "adam_shard_min_numel", "adam_eps"]  # eps 0: an unseen token's row is 0/0
     for name in positive:
         need(getattr(args, name) > 0, f"--{name}={getattr(args, name)}: must be positive")
     for name in ["val_every", "warmup_steps", "threads", "num_value_embeds", "muon_momentum_warmup_steps",

@@ -128,7 +128,8 @@ def packed(data, tmp_path_factory):
                      train_seq_len_schedule="64,64,128", window_schedule="1,2,3", yarn=True, value_gates=True,
                      key_offset=True, paired_head_layers="0", token_windows=True, mtp=True, bigram_vocab_size=300,
                      smear=True, skip_layers="0,2", backout_layer=1, init="2026", logit_cap_height=23.0,
-                     adam_table="2026", adam_weight_decay=0.005,
+                     adam_table="2026", adam_weight_decay=0.005, normuon=True, cautious_wd=True, weight_decay=1.2,
+                     muon_update_scale="aspect", mlp_proj_lr_mult=2.0, muon_decay="lr2",
                      log_dir=tmp / "full")  # 128 from step 4; YaRN at the window changes (steps 2, 4)
     full, final, _ = run(argv, keep_at=(N, tmp / "early.pt"))
     resumed, resumed_final, _ = run([f"--resume={tmp / 'early.pt'}", f"--log_dir={tmp / 'resumed'}",

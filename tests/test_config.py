@@ -93,6 +93,8 @@ BAD = [
     (["--adam_table", "2026", "--embed_lr_mult", "50"], {}, 1,
      "--embed_lr_mult: --adam_table 2026 takes Adam's betas and lr multipliers from ADAM_2026"),
     (["--adam_weight_decay", "-1"], {}, 1, "--adam_weight_decay=-1.0: must not be negative"),
+    (["--muon_decay", "lr3"], {}, 1, "--muon_decay='lr3': expected one of lr, lr2"),
+    (["--mlp_proj_lr_mult", "0"], {}, 1, "--mlp_proj_lr_mult=0.0: must be positive"),
     (["--paired_head_layers", "0"], {}, 1, "--paired_head_layers='0': needs --yarn"),
     (["--paired_head_layers", "7", "--yarn"], {}, 1, "--paired_head_layers='7': indices must be blocks with attention"),
     (["--paired_head_layers", "0,x", "--yarn"], {}, 1, "--paired_head_layers='0,x': expected comma-separated"),

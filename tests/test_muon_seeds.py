@@ -64,7 +64,8 @@ def test_update_scale_factors():
     for rule, shape, factor in [("record", (768, 3072), 1.0), ("record", (3072, 768), 2.0),
                                 ("moonlight", (768, 3072), 0.2 * 3072 ** 0.5),
                                 ("moonlight", (3072, 768), 0.2 * 3072 ** 0.5),
-                                ("moonlight", (4, 768, 768), 0.2 * 768 ** 0.5)]:
+                                ("moonlight", (4, 768, 768), 0.2 * 768 ** 0.5),
+                                ("aspect", (768, 3072), 2.0), ("aspect", (3072, 768), 2.0), ("aspect", (768, 768), 1.0)]:
         spec = train_gpt.ParamSpec("w", torch.nn.Parameter(torch.zeros(shape)), "muon", "matrix", 1.0)
         slot = train_gpt.MatrixSlot(spec, 0 if len(shape) == 3 else None, shape[-2] > shape[-1], rule)
         assert slot.lr_scale == pytest.approx(factor), (rule, shape)
@@ -126,42 +127,33 @@ def seed001_update(p, g, lr, wd, beta2, buffer):
 
 
 def ours_normuon(g, second_moment, beta2):
-    """normuon_normalize as the trainer calls it: on the wide orientation, tall matrices transposed."""
+    """normuon_normalize as the trainer calls it: on the wide orientation (tall matrices transposed),
+    a statistic per row of square matrices, per column of the others."""
     tall = g.shape[0] > g.shape[1]
     wide = g.mT if tall else g
-    out = train_gpt.normuon_normalize(wide[None].clone(), second_moment, beta2)[0]
+    out = train_gpt.normuon_normalize(wide[None].clone(), second_moment, beta2, -1 if g.shape[0] == g.shape[1] else -2)[0]
     return out.mT if tall else out
 
 
 @pytest.mark.parametrize("shape", [(8, 24), (24, 8), (16, 16)])
 def test_normuon_against_seed_001(shape):
-    """Three steps on the same inputs, columns and rows of unequal scale. Wide and tall matrices
-    agree with the seed. Square ones differ: the seed keeps one statistic per row (red_dim -1
-    when rows >= cols), we keep one per column, i.e. we compute the seed's formula on the
-    transpose. (The seed clamps the buffer at 1e-10 where we add 1e-10: no difference here.)"""
+    """Three steps on the same inputs, columns and rows of unequal scale: wide, tall and square
+    matrices agree with the seed (the 2026 record computes the same)."""
     torch.manual_seed(0)
     rows, cols = shape
-    wide_cols = max(rows, cols)
-    ours_buffer = torch.zeros(1, 1, wide_cols)
+    ours_buffer = torch.zeros(1, rows, 1) if rows == cols else torch.zeros(1, 1, max(rows, cols))
     seed_buffer = torch.zeros(rows, 1) if rows >= cols else torch.zeros(1, cols)
-    seed_t_buffer = torch.zeros(cols, 1)
     for _ in range(3):
         g = torch.randn(shape) * torch.rand(rows, 1) * torch.rand(1, cols) * 3
-        ours = ours_normuon(g, ours_buffer, 0.95)
-        seed = seed001_normuon(g, seed_buffer, 0.95)
-        if rows != cols:
-            torch.testing.assert_close(ours, seed, atol=1e-6, rtol=1e-5)
-        else:
-            torch.testing.assert_close(ours, seed001_normuon(g.mT, seed_t_buffer, 0.95).mT, atol=1e-6, rtol=1e-5)
-            assert not torch.allclose(ours, seed, atol=1e-3)
+        torch.testing.assert_close(ours_normuon(g, ours_buffer, 0.95), seed001_normuon(g, seed_buffer, 0.95),
+                                   atol=1e-6, rtol=1e-5)
 
 
 def test_normuon_and_cautious_decay_step_against_seed_001():
-    """One optimizer step with NorMuon and cautious weight decay on the tiny model: each wide
-    matrix (the MLP's and the gate; lr factor 1) lands where seed 001's formula puts it. Each
-    square attention matrix lands where the seed's formula computed on its transpose puts it (the
-    difference shown above). The seed multiplies the weight decay by max(1, rows/cols)^0.5 too; we
-    do not, which would matter only for tall matrices, and this model has none."""
+    """One optimizer step with NorMuon and cautious weight decay on the tiny model: each matrix
+    (the MLP's, the gate, the square attention ones; lr factor 1) lands where seed 001's formula
+    puts it. The seed multiplies the weight decay by max(1, rows/cols)^0.5 too; we do not, which
+    would matter only for tall matrices, and this model has none."""
     args, hw, model, specs = tiny_setup(normuon=True, normuon_beta2=0.9, weight_decay=0.5, cautious_wd=True,
                                         muon_lr=0.03)
     muon = [s for s in specs if s.optimizer == "muon"]
@@ -177,12 +169,8 @@ def test_normuon_and_cautious_decay_step_against_seed_001():
             nesterov = g.lerp(0.1 * g, 0.9)  # seed 001's lerp momentum from a zero buffer
             u = train_gpt.orthogonalize(nesterov, args.ns_method, "torch")
             rows, cols = p.shape
-            if rows < cols:
-                expected = seed001_update(p, u, 0.03, 0.5, 0.9, torch.zeros(1, cols))
-                checked["wide"] += 1
-            else:
-                expected = seed001_update(p.mT, u.mT, 0.03, 0.5, 0.9, torch.zeros(cols, 1)).mT
-                checked["square"] += 1
+            expected = seed001_update(p, u, 0.03, 0.5, 0.9, torch.zeros(1, cols) if rows < cols else torch.zeros(rows, 1))
+            checked["wide" if rows < cols else "square"] += 1
             torch.testing.assert_close(stack[i], expected, atol=1e-5, rtol=1e-5, msg=f"{s.name}[{i}]")
     assert checked["wide"] and checked["square"]
 

@@ -40,21 +40,23 @@ def test_adam_is_the_records_formula():
         assert torch.allclose(ours, ref.detach(), atol=1e-6) == (eps == 0.0)
 
 
-def test_normuon_divides_columns_by_their_rms_and_keeps_the_norm():
+@pytest.mark.parametrize("dim", [-2, -1], ids=["columns", "rows"])
+def test_normuon_divides_columns_or_rows_by_their_rms_and_keeps_the_norm(dim):
     torch.manual_seed(0)
     update = torch.randn(2, 3, 5)
-    second = torch.full((2, 1, 5), 0.5)
+    second = torch.full((2, 1, 5) if dim == -2 else (2, 3, 1), 0.5)
     beta = 0.9
-    out = train_gpt.normuon_normalize(update.clone(), second, beta)
+    out = train_gpt.normuon_normalize(update.clone(), second, beta, dim)
     for b in range(2):
-        expected = torch.empty(3, 5)
-        for j in range(5):
-            mean_sq = sum(update[b, i, j] ** 2 for i in range(3)) / 3
+        u = update[b] if dim == -2 else update[b].T  # columns of u
+        expected = torch.empty(u.shape)
+        for j in range(u.shape[1]):
+            mean_sq = sum(u[i, j] ** 2 for i in range(u.shape[0])) / u.shape[0]
             v = beta * 0.5 + (1 - beta) * mean_sq
-            assert second[b, 0, j].item() == pytest.approx(v.item(), rel=1e-6)
-            expected[:, j] = update[b, :, j] / (v + 1e-10) ** 0.5
-        expected *= update[b].norm() / expected.norm()
-        torch.testing.assert_close(out[b], expected, atol=1e-6, rtol=1e-5)
+            assert second[b].flatten()[j].item() == pytest.approx(v.item(), rel=1e-6)
+            expected[:, j] = u[:, j] / max(v, 1e-10) ** 0.5
+        expected *= u.norm() / expected.norm()
+        torch.testing.assert_close(out[b], expected if dim == -2 else expected.T, atol=1e-6, rtol=1e-5)
         assert out[b].norm().item() == pytest.approx(update[b].norm().item(), rel=1e-6)
 
 

@@ -106,3 +106,70 @@ def test_adam_steps_are_the_records(bf16_embeds):
             assert ((s.param.detach().float() - reference.float()).abs() <= bound).all(), (s.name, factor)
             assert not torch.equal(reference, before[s.name]), s.name
     assert all(m.dtype == torch.float32 for m in optimizer.state_tensors())  # fp32 moments, bf16 embeddings too
+
+
+MUON_2026 = dict(normuon=True, normuon_beta2=0.95, cautious_wd=True, weight_decay=1.2, muon_lr=0.023,
+                 muon_update_scale="aspect", mlp_proj_lr_mult=2.0, muon_decay="lr2", ns_method="polar_express",
+                 ns_backend="torch")
+
+
+def record_normuon_step(p, g, state, lr, lr_mul, momentum, beta2=0.95, wd=1.2):
+    """NorMuonAndAdam._normuon_update (P 694-741) for one matrix in the record's orientation, fp32
+    (the record keeps bf16 weights with a 16-bit mantissa: an fp32 master), with its variance
+    reduction (P 763-775) and cautious decay (P 744-760); Polar Express as ours (tests/test_ns.py
+    holds it to the record's)."""
+    g = g.float()
+    state["buf"].lerp_(g, 1 - momentum)
+    g = g.lerp_(state["buf"], momentum)
+    v = train_gpt.orthogonalize(g, "polar_express", "torch")
+    red_dim = -1 if v.size(-2) >= v.size(-1) else -2
+    v_mean = v.float().square().mean(dim=red_dim, keepdim=True)
+    size = v.size(red_dim)
+    v_norm = v_mean.sum(dim=(-2, -1), keepdim=True).mul_(size).sqrt_()
+    state["second"].lerp_(v_mean, 1 - beta2)
+    step_size = state["second"].clamp_min(1e-10).rsqrt()
+    v_norm_new = ((v_mean * size) * step_size.square()).sum(dim=(-2, -1), keepdim=True).sqrt_()
+    v = v * (step_size * (v_norm / v_norm_new.clamp_min_(1e-10)))
+    eff_lr, eff_wd = lr_mul * lr, wd * lr
+    mask = (v * p) >= 0
+    return p - (p * mask * eff_wd * eff_lr) - (v * eff_lr)
+
+
+def test_normuon_steps_are_the_records():
+    """Two steps (momentum 0.85 then 0.9, lr factors 1 and 1.52): every attention and MLP matrix
+    as the record's NorMuon leaves it, in the record's orientation (its MLP matrices are ours
+    transposed: (hidden, dim)): momentum, Polar Express, per-row statistics (per column of our
+    (dim, hidden) MLP storage), lr 0.023 x (2 for the MLP's shape) x (2 for c_proj), cautious decay
+    1.2 x lr x the matrix's lr."""
+    args, hw, model, specs = model_and_specs(**MUON_2026)
+    optimizer = train_gpt.ShardedMuonAdam(specs, args, train_gpt.Ranks(), hw)
+    muon = [s for s in specs if s.optimizer == "muon"]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+
+    def record_view(name, t):  # (matrices, rows, cols) in the record's orientation
+        return t.mT if name.endswith(("fc_w", "proj_w")) else t
+    reference = {s.name: record_view(s.name, s.param.detach().clone()) for s in muon}
+    reference = {n: t if t.ndim == 3 else t[None] for n, t in reference.items()}
+    states = {n: [dict(buf=torch.zeros(t.shape), second=torch.zeros(t.shape[0], 1)) for t in ts]  # rows >= cols
+              for n, ts in reference.items()}
+    gen = torch.Generator().manual_seed(3)
+    for factor, momentum in ((1.0, 0.85), (1.52, 0.9)):
+        grads = {s.name: torch.randn(s.param.shape, generator=gen) for s in specs}
+        for s in specs:
+            s.param.grad = grads[s.name].clone()
+        optimizer.lr_factor, optimizer.muon_momentum = factor, momentum
+        optimizer.step()
+        optimizer.zero_grad()
+        for s in muon:
+            g = record_view(s.name, grads[s.name])
+            g = g if g.ndim == 3 else g[None]
+            lr_mul = (2.0 if s.name.endswith(("fc_w", "proj_w")) else 1.0) * (2.0 if s.name.endswith("proj_w") else 1.0)
+            reference[s.name] = torch.stack([record_normuon_step(p, gi, st, 0.023 * factor, lr_mul, momentum)
+                                             for p, gi, st in zip(reference[s.name], g, states[s.name])])
+    for s in muon:
+        ours = record_view(s.name, s.param.detach())
+        torch.testing.assert_close(ours if ours.ndim == 3 else ours[None], reference[s.name], rtol=1e-4, atol=1e-6,
+                                   msg=lambda m, n=s.name: f"{n}: {m}")
+    assert {s.name.split(".")[-1] for s in muon} == {"qkvo_w", "fc_w", "proj_w"}
