@@ -1277,9 +1277,10 @@ class Block(nn.Module):
                                         paired) if has_attention else None
         self.mask_kind = "p" * paired + self.window
         self.mlp = MLP(args.model_dim, args.mlp_ratio * args.model_dim)
-        # x = a*x + b*x0: two parameters, as Adam treats them apart in the 2026 record
-        self.resid_lambda, self.x0_lambda = nn.Parameter(torch.tensor([args.resid_lambda_init])), nn.Parameter(torch.zeros(1))
-        self.bigram_lambda = nn.Parameter(torch.tensor([0.1])) if args.bigram_vocab_size else None
+        # x = a*x + b*x0: two parameters, as Adam treats them apart in the 2026 record. Scalars (0-dim):
+        # a (1,) fp32 tensor would make bf16 activations fp32, a 0-dim one keeps their dtype
+        self.resid_lambda, self.x0_lambda = nn.Parameter(torch.tensor(args.resid_lambda_init)), nn.Parameter(torch.tensor(0.0))
+        self.bigram_lambda = nn.Parameter(torch.tensor(0.1)) if args.bigram_vocab_size else None
 
     def forward(self, x, x0, value_embed, masks, x0_bigram=None):
         x = self.resid_lambda * x + self.x0_lambda * x0
@@ -1389,13 +1390,13 @@ class GPT(nn.Module):
                                     for i in range(L))
         self.skip_layers = _layer_list(args.skip_layers)
         if self.skip_layers:  # one skip, x += sigmoid(l) * 2 sigmoid(w x0[:12]) * (the earlier block's output)
-            self.skip_gate, self.skip_lambda = nn.Parameter(torch.zeros(ATTN_GATE_DIMS)), nn.Parameter(torch.tensor([-1.5]))
+            self.skip_gate, self.skip_lambda = nn.Parameter(torch.zeros(ATTN_GATE_DIMS)), nn.Parameter(torch.tensor(-1.5))
         else:  # U-net: each encoder block's output joins its mirror decoder block
             self.skip_weights = nn.Parameter(torch.ones(L // 2))
         if args.smear:  # x[t] += l * sigmoid(w x[t][:12]) * x[t-1], on the embeddings
-            self.smear_gate, self.smear_lambda = nn.Parameter(torch.zeros(ATTN_GATE_DIMS)), nn.Parameter(torch.zeros(1))
+            self.smear_gate, self.smear_lambda = nn.Parameter(torch.zeros(ATTN_GATE_DIMS)), nn.Parameter(torch.tensor(0.0))
         if args.backout_layer >= 0:
-            self.backout_lambda = nn.Parameter(torch.tensor([0.5]))
+            self.backout_lambda = nn.Parameter(torch.tensor(0.5))
         self.lm_head_w = nn.Parameter(torch.zeros(V, D))  # zero: the initial loss is exactly ln(V)
         with torch.no_grad():
             for embedding in [self.bigram_embed] + (list(self.value_embeds) if args.init == "2026" else []):
@@ -1445,7 +1446,7 @@ class GPT(nn.Module):
         first_decoder = len(self.blocks) - half
         for i, block in enumerate(self.blocks):
             if self.skip_layers and i == self.skip_layers[1]:
-                gate = torch.sigmoid(self.skip_lambda) * 2 * torch.sigmoid(x0[..., :ATTN_GATE_DIMS] @ self.skip_gate.to(x.dtype))
+                gate = torch.sigmoid(self.skip_lambda) * 2 * torch.sigmoid(x0[..., :ATTN_GATE_DIMS] @ self.skip_gate.to(x0.dtype))
                 x = x + gate[..., None] * skips.pop()
             elif not self.skip_layers and i >= first_decoder:  # U-net: the last encoder output joins the first decoder block
                 x = x + self.skip_weights[i - first_decoder] * skips.pop()
@@ -2133,6 +2134,7 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
             train_step(warmup_step * args.num_iterations // args.warmup_steps, random_batch)
         with torch.no_grad():
             model.eval()
+            follow_windows(model.rotary, 0, args)  # step 0's rotary (not YaRN's changes run backwards)
             inputs, targets = next(val_batches(val_tokens, args.val_seq_len, 0, 1, hw.device))
             model(inputs, targets, *windows(0))
             model.train()

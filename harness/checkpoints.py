@@ -328,10 +328,9 @@ def check_optimizer_state_fits(optimizer, state):
     if len(state["tensors"]) != len(layouts):
         raise ValueError(f"optimizer state has {len(state['tensors'])} tensors, this optimizer {len(layouts)}")
     for (t, layout, info), full in zip(layouts, state["tensors"]):
-        rows = info[1] if layout == "matrices" else info if layout == "rows" else t.shape[0]
-        if tuple(full.shape) != (rows, *t.shape[1:]):
-            raise ValueError(f"optimizer state tensor of shape {tuple(full.shape)} where "
-                             f"{(rows, *t.shape[1:])} was expected")
+        expected = tuple(t.shape) if layout == "replicated" else (info[1] if layout == "matrices" else info, *t.shape[1:])
+        if tuple(full.shape) != expected:
+            raise ValueError(f"optimizer state tensor of shape {tuple(full.shape)} where {expected} was expected")
     return layouts
 
 

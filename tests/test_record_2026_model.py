@@ -2,6 +2,7 @@
 code (../shared/peers/modded-nanogpt_93f0e6b9/train_gpt.py, lines named beside each), in fp32 on
 CPU. Until the speedrun preset becomes that record, each piece is an option (docs/port-2026-01-19.md)."""
 
+import dataclasses
 import math
 
 import pytest
@@ -275,13 +276,13 @@ def record_forward(P, tokens, targets, seqlens, mtp_weights, ws_short, ws_long, 
 def record_parameters(model):
     """The record's parameter tensors, made from ours (differentiably: gradients reach ours)."""
     blocks, L = model.blocks, len(model.blocks)
-    scalars = torch.cat([torch.cat([b.resid_lambda for b in blocks]),
+    scalars = torch.cat([torch.stack([b.resid_lambda for b in blocks]),
                          torch.cat([b.attn.sa_lambdas if b.attn is not None else torch.tensor([0.5, 1.0]) for b in blocks]),
-                         torch.cat([b.bigram_lambda for b in blocks]),
-                         model.smear_lambda, model.backout_lambda, model.skip_lambda])
+                         torch.stack([b.bigram_lambda for b in blocks]),
+                         torch.stack([model.smear_lambda, model.backout_lambda, model.skip_lambda])])
     attn = [b.attn for b in blocks if b.attn is not None]
     return dict(
-        scalars=scalars, x0_lambdas=torch.cat([b.x0_lambda for b in blocks]),
+        scalars=scalars, x0_lambdas=torch.stack([b.x0_lambda for b in blocks]),
         embed=model.embed.weight, bigram_embed=model.bigram_embed.weight, lm_head=model.lm_head_w.T,
         **{f"ve{i}": e.weight for i, e in enumerate(model.value_embeds)},
         smear_gate=model.smear_gate[None], skip_gate=model.skip_gate[None],
@@ -337,3 +338,33 @@ def test_the_model_is_the_records_loss_and_gradients():
         ours = model(tokens, targets, torch.tensor(7), torch.tensor(3))
         record = record_forward(record_parameters(model), tokens, targets, seqlens, None, 3, 7, yarn, yarn_paired, False)
     torch.testing.assert_close(ours, record, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("options", ["speedrun", "record 2026", "record 2026 without smear"])
+def test_bf16_activations_stay_bf16(options):
+    """On a GPU the residual stream is bf16: no fp32 parameter may promote it (a (1,)-shaped fp32
+    scalar times a bf16 tensor is fp32; a 0-dim one keeps bf16). Checked on CPU with the GPU's
+    compute dtype: every block's input and output, and the logits, are bf16."""
+    config = dict(TINY_2026 if options != "speedrun" else TINY_2025, smear=options == "record 2026")
+    if options == "speedrun":
+        config.pop("smear")
+    args = train_gpt.Hyperparameters(**config)
+    hw = dataclasses.replace(train_gpt.Hardware.detect(args), compute_dtype=torch.bfloat16)
+    model = train_gpt.GPT(args, hw)
+    dtypes = []
+    for block in model.blocks:
+        block.register_forward_hook(lambda module, inputs, output: dtypes.append((inputs[0].dtype, output.dtype)))
+    tokens = torch.randint(0, 50257, (64,))
+    tokens[0] = train_gpt.BOS_TOKEN
+    logits = model(tokens, None, torch.tensor(2), torch.tensor(1))
+    assert dtypes == [(torch.bfloat16, torch.bfloat16)] * args.num_layers
+    assert model.trunk(tokens, torch.tensor(2), torch.tensor(1)).dtype == torch.bfloat16  # the backout's too
+    assert logits.dtype == torch.float32  # the capped logits, in fp32 for the loss
+
+
+TINY_2025 = dict(preset="cpu", num_layers=4, model_dim=32, num_heads=2, head_dim=16, attention_free_layers="2",
+                 num_value_embeds=1, window_pattern="LSSL", attn_block_size=16, train_seq_len=64, val_seq_len=64,
+                 fp8_head=False, compile=False)
+TINY_2026 = dict(TINY_2025, yarn=True, value_gates=True, key_offset=True, token_windows=True, paired_head_layers="0",
+                 value_embed_layers="0..0", bigram_vocab_size=300, skip_layers="0,3", backout_layer=1, init="2026",
+                 resid_lambda_init=1.1, logit_cap_height=23.0, logit_cap_shift=5.0, attn_scale=0.1)

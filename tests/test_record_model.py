@@ -119,8 +119,8 @@ def ours_from(w, heads):
     for i in range(3):
         source[f"value_embeds.{i}.weight"] = (f"value_embeds.{i}.weight", None)
     for i in range(L):
-        source[f"blocks.{i}.resid_lambda"] = ("scalars", slice(L + 2 * i, L + 2 * i + 1))
-        source[f"blocks.{i}.x0_lambda"] = ("scalars", slice(L + 2 * i + 1, L + 2 * i + 2))
+        source[f"blocks.{i}.resid_lambda"] = ("scalars", L + 2 * i)
+        source[f"blocks.{i}.x0_lambda"] = ("scalars", L + 2 * i + 1)
         source[f"blocks.{i}.mlp.fc_w"] = (f"blocks.{i}.mlp.c_fc", None)
         source[f"blocks.{i}.mlp.proj_w"] = (f"blocks.{i}.mlp.c_proj", None)
         if i != 7:
