@@ -117,6 +117,9 @@ class Hyperparameters:
     adam_eps: float = 1e-10             # Adam epsilon
     adam_table: str = "2025"            # 2025: the fields' betas and lr multipliers; 2026: ADAM_2026 (per kind, fp32 moments)
     adam_weight_decay: float = 0.0      # x the kind's multiplier x lr^2: cautious decay where the step shrinks p (2026: 0.005)
+    adam_every: int = 1                 # Adam steps on every N-th step only, with the gradients summed since (2026: 2)
+    embed_split_frac: float = 0.0       # >0: the token embedding is the head's weights until this part of the scheduled
+                                        # steps (its first Adam step from there), then a copy trained apart (2026: 2/3)
     embed_lr_mult: float = 75.0         # embeddings train at adam_lr * this
     head_lr_mult: float = 1.0           # lm_head trains at adam_lr * this
     scalar_lr_mult: float = 5.0         # scalar parameters train at adam_lr * this
@@ -766,6 +769,9 @@ class ShardedMuonAdam:
         self.args, self.world_size, self.rank, self.hw, self.specs = args, ranks.world_size, ranks.rank, hw, specs
         self.comm = collectives or Collectives(ranks.world_size)
         self.lr_factor, self.muon_momentum = 1.0, args.muon_momentum_start
+        # set by the loop before each step: whether Adam steps now (--adam_every), whether the
+        # embedding is the head's weights (--embed_split_frac): then it has no gradient and no step
+        self.adam_step_now, self.embed_tied = True, False
         self.ns_coeffs = parse_ns_coeffs(args.ns_coeffs)
         # Gradients sum over micro-steps, ranks average: dividing by micro-steps per rank gives every
         # world size the record's 8-GPU gradient, while backward (the FP8 head) sees its scale.
@@ -835,6 +841,8 @@ class ShardedMuonAdam:
         earliest_use = lambda unit: min(order[id(p)] for p in unit.params)
         self.units = sorted(units, key=earliest_use, reverse=True)
         self._armed, self._next_unit, self._units_of = False, 0, {}
+        shard_of = {s.spec.name: s for s in self.adam_shards}
+        self.embed_shard, self.head_shard = shard_of.get("embed.weight"), shard_of.get("lm_head_w")
         for unit in self.units:
             for p in unit.params:
                 self._units_of.setdefault(id(p), []).append(unit)
@@ -870,12 +878,17 @@ class ShardedMuonAdam:
         for t in self.state_tensors():
             t.zero_()
         self.adam_steps = 0
+        for s in self.specs:  # (Adam's gradients may be waiting for their step)
+            s.param.grad = None
 
     # -- communication ------------------------------------------------------------------------------
     def arm_for_final_backward(self):  # call before the backward of the last micro-step: its gradients are final
         for unit in self.units:
-            unit.pending = {id(p) for p in unit.params}
+            unit.pending = {id(p) for p in unit.params} if self._active(unit) else set()
         self._armed, self._next_unit = True, 0
+
+    def _active(self, unit):  # whether the unit steps now: Muon's always, Adam's on its steps (not a tied embedding)
+        return isinstance(unit, MuonBucket) or self.adam_step_now and not (self.embed_tied and unit is self.embed_shard)
 
     def _on_grad_final(self, param):
         if not self._armed:
@@ -889,7 +902,8 @@ class ShardedMuonAdam:
             unit = self.units[self._next_unit]
             if unit.pending and not force:
                 return
-            self._launch(unit)
+            if self._active(unit):
+                self._launch(unit)
             self._next_unit += 1
 
     def _launch(self, unit):
@@ -932,16 +946,25 @@ class ShardedMuonAdam:
         self._launch_ready_units(force=True)
         self._armed = False
         gathers = [finish for group in self.muon_groups for finish in self._muon_update(group)]
-        self.adam_steps += 1
-        t = self.adam_steps
-        for (b1, b2), scale in self.adam_scales.items():
-            scale.fill_(self.lr_factor * (1 - b2 ** t) ** 0.5 / (1 - b1 ** t))
-        self.decay_scale.fill_(self.lr_factor ** 2)
-        gathers += [finish for shard in self.adam_shards for finish in self._adam_shard_update(shard)]
-        for small in self.smalls:
-            self._small_update(small)
+        if self.adam_step_now:
+            self.adam_steps += 1
+            t = self.adam_steps
+            for (b1, b2), scale in self.adam_scales.items():
+                scale.fill_(self.lr_factor * (1 - b2 ** t) ** 0.5 / (1 - b1 ** t))
+            self.decay_scale.fill_(self.lr_factor ** 2)
+            gathers += [finish for shard in self.adam_shards if self._active(shard)
+                        for finish in self._adam_shard_update(shard)]
+            for small in self.smalls:
+                self._small_update(small)
         for finish in gathers:
             finish()
+
+    def untie_embedding(self):
+        """The split: the embedding becomes a copy of the head, with the head's Adam state (the
+        2026 record's copy_lm_state_to_embed; here both are (vocab, dim), sharded alike)."""
+        self.embed_shard.spec.param.data.copy_(self.head_shard.spec.param.data)
+        self.embed_shard.exp_avg.copy_(self.head_shard.exp_avg)
+        self.embed_shard.exp_avg_sq.copy_(self.head_shard.exp_avg_sq)
 
     def _muon_update(self, group):
         args, W = self.args, self.world_size
@@ -1023,9 +1046,10 @@ class ShardedMuonAdam:
     def _unaccumulate(self, grad):  # the sum over this rank's micro-steps, in place, as their mean
         return grad.mul_(self.grad_scale) if self.grad_scale != 1 else grad
 
-    def zero_grad(self):
+    def zero_grad(self):  # Adam's gradients wait for its next step (summed), on the steps it skips
         for s in self.specs:
-            s.param.grad = None
+            if self.adam_step_now or s.optimizer == "muon":
+                s.param.grad = None
 
 def muon_apply(params, update, lr, decay, cautious):
     """p - lr*update (lr: a number, or one per matrix), with decoupled weight decay (cautious: only
@@ -1410,6 +1434,7 @@ class GPT(nn.Module):
                 if embedding is not None:
                     embedding.bfloat16()
         self.fp8_scales = fp8_head_scales(D)
+        self.embed_tied = False  # set per step: embed_tied_at
         if hw.fp8_head:
             register_fp8_ops()
 
@@ -1434,7 +1459,8 @@ class GPT(nn.Module):
     def trunk(self, tokens, long_window_blocks, short_window_blocks=None):
         masks = attention_masks(tokens, long_window_blocks, self.args, self.hw, short_window_blocks,
                                 sorted({block.mask_kind for block in self.blocks if block.attn is not None}))
-        x = self.embed(tokens).to(self.hw.compute_dtype)
+        # the embedding is the head's weights while tied (its gradient joins the head's, as the record's sum)
+        x = (F.embedding(tokens, self.lm_head_w) if self.embed_tied else self.embed(tokens)).to(self.hw.compute_dtype)
         if self.args.smear:  # (across documents, as the record)
             gate = self.smear_lambda * torch.sigmoid(x[1:, :ATTN_GATE_DIMS] @ self.smear_gate.to(x.dtype))
             x = torch.cat([x[:1], x[1:] + gate[:, None] * x[:-1]])
@@ -1862,6 +1888,16 @@ def mtp_weights_at(step, args):  # the loss's weights of the next 1-3 tokens: [1
         return [1.0]
     return [1.0, 0.5, 0.25 * (1 - 3 * x)] if x < 1 / 3 else [1.0, 0.5 * (1 - (3 * x - 1))]
 
+def adam_steps_at(step, args):  # Adam steps on every adam_every-th step, its gradients summed since its last
+    return step % args.adam_every == args.adam_every - 1
+
+def embed_split_step(args):  # the first Adam step from embed_split_frac of the scheduled steps on
+    start = math.ceil(args.embed_split_frac * (args.num_iterations - args.extension_steps))
+    return start + (args.adam_every - 1 - start) % args.adam_every
+
+def embed_tied_at(step, args):  # the split step still trains tied; its state is copied after its update
+    return args.embed_split_frac > 0 and step <= embed_split_step(args)
+
 def train_seq_len_at(step, args):  # the batch size schedule, per micro-batch
     lengths = _numbers(args.train_seq_len_schedule, int) or [args.train_seq_len]
     return _staged(step, args.num_iterations - args.extension_steps, lengths, lengths[-1])
@@ -2047,6 +2083,7 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
         long = long_window_blocks_at(step, args)
         short = max(long // 2, 1)
         model.rotary.follow(long, args.attn_block_size)  # (YaRN, where the window changes)
+        model.embed_tied = optimizer.embed_tied = embed_tied_at(step, args)  # (the step's model, too)
         if final_validation and args.window_validate_final_blocks:
             long = args.window_validate_final_blocks
         return window_sizes[long], window_sizes[short]
@@ -2093,6 +2130,7 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
     def train_step(step, next_batch):
         seq_len = train_seq_len_at(step, args)
         optimizer.lr_factor = lr_factor_at(step, args)
+        optimizer.adam_step_now = adam_steps_at(step, args)
         optimizer.muon_momentum = muon_momentum_at(step, args)
         step_windows = windows(step)
         loss_sum = torch.zeros((), device=hw.device)
@@ -2105,6 +2143,8 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
             loss_sum += loss.detach()
         optimizer.step()
         optimizer.zero_grad()
+        if args.embed_split_frac and step == embed_split_step(args):
+            optimizer.untie_embedding()
         return loss_sum / (accum_steps * seq_len)
 
     @torch.no_grad()

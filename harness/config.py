@@ -438,6 +438,13 @@ def check_config(args, world_size, cuda_available):
     need(args.ns_backend != "triton" or tg.uses_cuda(args, cuda_available) or tg.TRITON_INTERPRETING,
          "--ns_backend=triton: needs a CUDA device (or TRITON_INTERPRET=1 for tests)")
     need(not (args.sample and args.resume), "--sample and --resume: choose one")
+    need(args.adam_every >= 1, f"--adam_every={args.adam_every}: must be at least 1")
+    need(args.checkpoint_every % args.adam_every == 0, f"--checkpoint_every={args.checkpoint_every}: must be a multiple "
+         f"of adam_every={args.adam_every} (Adam's summed gradients between its steps are not saved)")
+    need(0.0 <= args.embed_split_frac <= 1.0, f"--embed_split_frac={args.embed_split_frac}: must lie in [0, 1]")
+    need(not args.embed_split_frac or args.vocab_size * args.model_dim >= args.adam_shard_min_numel,
+         f"--embed_split_frac={args.embed_split_frac}: the split copies the head's sharded Adam state: needs "
+         f"adam_shard_min_numel <= vocab_size x model_dim")
     need(not args.checkpoint_every or args.save_checkpoint,
          f"--checkpoint_every={args.checkpoint_every}: needs --save_checkpoint true")
 

@@ -59,6 +59,7 @@ def generate(model, args, prompt_tokens, max_new_tokens, temperature=0.8, top_k=
     step = args.num_iterations if step is None else step
     window = torch.tensor(tg.long_window_blocks_at(step, args), device=device)
     tg.follow_windows(model.rotary, step, args)
+    model.embed_tied = tg.embed_tied_at(step, args)
     context = model.rotary.max_seq_len                   # the rotary table's positions
     generator = torch.Generator().manual_seed(seed)      # draws on the CPU: no device RNG involved
     tokens = torch.tensor([tg.BOS_TOKEN, *prompt_tokens], device=device)
@@ -89,7 +90,7 @@ MODEL_FIELDS = ("vocab_size", "num_layers", "model_dim", "num_heads", "head_dim"
                 "window_growth_tokens", "window_schedule", "window_final_blocks", "extension_steps", "bf16_embeds",
                 "token_windows", "yarn", "value_gates", "key_offset", "paired_head_layers", "value_embed_layers",
                 "bigram_vocab_size", "smear", "skip_layers", "backout_layer", "resid_lambda_init", "init",
-                "logit_cap_height", "logit_cap_shift", "train_seq_len", "train_seq_len_schedule", "val_seq_len", "num_iterations")
+                "logit_cap_height", "logit_cap_shift", "embed_split_frac", "adam_every", "train_seq_len", "train_seq_len_schedule", "val_seq_len", "num_iterations")
 
 
 def check_against_checkpoint(args, set_fields):

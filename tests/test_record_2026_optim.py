@@ -173,3 +173,90 @@ def test_normuon_steps_are_the_records():
         torch.testing.assert_close(ours if ours.ndim == 3 else ours[None], reference[s.name], rtol=1e-4, atol=1e-6,
                                    msg=lambda m, n=s.name: f"{n}: {m}")
     assert {s.name.split(".")[-1] for s in muon} == {"qkvo_w", "fc_w", "proj_w"}
+
+
+def test_adam_every_other_step_and_the_tied_embedding_are_the_records():
+    """Eight steps of the record's Adam flow (NorMuonAndAdam.step and TrainingManager.step_optimizers,
+    P 560-650, 493-530, 1683-1699), restated: Adam steps on odd steps only, on the gradients summed
+    over two steps (the even step's are not cleared); while tied, the head's gradient takes the
+    embedding's, the head steps and the embedding becomes its copy; at the split step (odd, here
+    5), after its tied update, the embedding takes the head's Adam state, and then both train apart.
+    Ours: the loop's flags per step; tied, the model's embedding lookup reads the head's weights, so
+    autograd hands the head the sum (the next test) and the embedding has no gradient."""
+    args, hw, model, specs = model_and_specs(adam_every=2, embed_split_frac=0.5, num_iterations=10, extension_steps=0)
+    assert train_gpt.embed_split_step(args) == 5 and [train_gpt.adam_steps_at(s, args) for s in range(4)] == \
+        [False, True, False, True]
+    optimizer = train_gpt.ShardedMuonAdam(specs, args, train_gpt.Ranks(), hw)
+    adam = {s.name: s for s in specs if s.optimizer == "adam"}
+    with torch.no_grad():
+        for s in adam.values():
+            s.param.add_(0.1 * torch.randn_like(s.param))
+    reference = {n: s.param.detach().clone() for n, s in adam.items()}
+    state = {n: dict(step=0, exp_avg=torch.zeros_like(s.param), exp_avg_sq=torch.zeros_like(s.param))
+             for n, s in adam.items()}
+    pending = {n: torch.zeros_like(s.param) for n, s in adam.items()}  # the record's .grad between Adam steps
+    split = False
+    gen = torch.Generator().manual_seed(4)
+    for step in range(8):
+        factor = train_gpt.lr_factor_at(step, args)
+        grads = {s.name: torch.randn(s.param.shape, generator=gen) for s in specs}
+        tied = train_gpt.embed_tied_at(step, args)
+        for s in specs:  # ours: tied, the head's gradient is the sum, the embedding has none
+            if s.name == "embed.weight" and tied:
+                s.param.grad = None
+            else:
+                g = grads[s.name] + (grads["embed.weight"] if s.name == "lm_head_w" and tied else 0)
+                s.param.grad = g.clone() if s.param.grad is None else s.param.grad + g
+        optimizer.lr_factor, optimizer.adam_step_now, optimizer.embed_tied = factor, step % 2 == 1, tied
+        optimizer.step()
+        optimizer.zero_grad()
+        if step == train_gpt.embed_split_step(args):
+            optimizer.untie_embedding()
+        # the record
+        for n in pending:
+            pending[n] += grads[n]
+        if step % 2 == 1:
+            if not split:
+                pending["lm_head_w"] += pending["embed.weight"]
+            for n in adam:
+                if n == "embed.weight" and not split:
+                    continue
+                betas, lr_mul, wd_mul = RECORD_ADAM[record_label(n)]
+                record_adam_step(reference[n], pending[n], state[n], betas, ADAM_LR * factor * lr_mul, wd_mul)
+            if not split:
+                reference["embed.weight"].copy_(reference["lm_head_w"])
+            for n in pending:
+                pending[n].zero_()
+            if step == 5:  # copy_lm_state_to_embed
+                for key in ("step", "exp_avg", "exp_avg_sq"):
+                    state["embed.weight"][key] = (state["lm_head_w"][key] if key == "step" else
+                                                  state["lm_head_w"][key].clone())
+                split = True
+        for n, s in adam.items():
+            if n == "embed.weight" and tied:
+                continue  # ours is not read while tied (the head's weights are); the record's is the head's copy
+            # (tied, the head's gradient sums in another order: (g_head + g_embed) per step, the record's
+            # per parameter over the two steps; Adam lifts that last bit where a sum nearly cancels)
+            torch.testing.assert_close(s.param.detach(), reference[n], rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, n=n, step=step: f"{n} after step {step}: {m}")
+    assert optimizer.adam_steps == 4 and split
+    assert not torch.equal(adam["embed.weight"].param, adam["lm_head_w"].param)  # apart since step 5
+
+
+def test_a_tied_embedding_hands_the_head_both_gradients():
+    """Tied, the embedding lookup reads the head's weights: the head's gradient is its own plus the
+    embedding's (the record adds embed.grad.T to the head's), the embedding gets none."""
+    args, hw, model, _ = model_and_specs()
+    with torch.no_grad():
+        model.embed.weight.copy_(model.lm_head_w)
+    gen = torch.Generator().manual_seed(5)
+    chunk = torch.randint(0, 50257, (129,), generator=gen)
+    chunk[0] = train_gpt.BOS_TOKEN
+    grads = {}
+    for tied in (False, True):
+        model.zero_grad()
+        model.embed_tied = tied
+        model(chunk[:-1], chunk[1:], torch.tensor(2), torch.tensor(1)).backward()
+        grads[tied] = (model.lm_head_w.grad.clone(), None if model.embed.weight.grad is None else model.embed.weight.grad.clone())
+    assert grads[True][1] is None
+    torch.testing.assert_close(grads[True][0], grads[False][0] + grads[False][1], rtol=1e-5, atol=1e-7)
