@@ -101,6 +101,7 @@ class Hyperparameters:
     paired_head_layers: str = ""        # "0,2,5,9": layers whose heads attend in pairs, one sequence of twice the length (2026; --yarn)
     token_windows: bool = False         # a window of w blocks reaches w x attn_block_size tokens back (2026); else w blocks
     fp8_head: bool = True               # FP8 lm_head where the GPU supports it (off on CPU and pre-Ada GPUs)
+    fp8_scales: str = "bounded"         # its operands' scales: bounded (ours, cannot overflow) or 2026 (100, 1.6, 0.75 /448)
     bf16_embeds: bool = True            # embeddings, value embeddings and their Adam moments in bf16
     compile: bool = True                # torch.compile the model (--compile_scope: in how many graphs), the orthogonalizer
     compile_scope: str = "model"        # model: one graph, as the record; blocks: each block and the head alone
@@ -1321,7 +1322,9 @@ class Block(nn.Module):
 # the summed loss at most 1. A custom op, opaque to torch.compile as in the record; on CUDA each
 # body is compiled whole (the gradient's scaling, rounding and transpose in one pass).
 
-def fp8_head_scales(model_dim):  # (x_scale, w_scale, grad_scale): what the operands are divided by
+def fp8_head_scales(model_dim, kind="bounded"):  # (x_scale, w_scale, grad_scale): what the operands are divided by
+    if kind == "2026":  # the 2026-01-19 record's (inputs to 100, weights to 1.6, gradients to 0.75)
+        return 100 / 448, 1.6 / 448, 0.75 / 448
     return model_dim ** 0.5 / 448, 2 ** -9, 1 / 448
 
 def _fp8_mm_forward(x, w, x_scale, w_scale):
@@ -1433,7 +1436,7 @@ class GPT(nn.Module):
             for embedding in [self.embed, self.bigram_embed, *self.value_embeds]:
                 if embedding is not None:
                     embedding.bfloat16()
-        self.fp8_scales = fp8_head_scales(D)
+        self.fp8_scales = fp8_head_scales(D, args.fp8_scales)
         self.embed_tied = False  # set per step: embed_tied_at
         if hw.fp8_head:
             register_fp8_ops()

@@ -23,7 +23,8 @@ FLEX_TILE = 128  # on CUDA, --attn_block_size must be a multiple (check_config s
 # Fields that take one of a fixed set of values (booleans aside); check_config and --help read this.
 CHOICES = dict(preset=tuple(tg.PRESETS), ns_method=tg.NS_METHODS, ns_backend=("auto",) + tg.NS_BACKENDS,
                muon_update_scale=("record", "moonlight", "aspect"), muon_decay=("lr", "lr2"), matrix_optimizer=("muon", "adam"), device=("auto", "cpu", "cuda"),
-               compile_scope=("model", "blocks"), init=("2025", "2026"), adam_table=("2025", "2026"))
+               compile_scope=("model", "blocks"), init=("2025", "2026"), adam_table=("2025", "2026"),
+               fp8_scales=("bounded", "2026"))
 
 
 class CheckpointMismatch(tg.ConfigError):

@@ -368,3 +368,10 @@ TINY_2025 = dict(preset="cpu", num_layers=4, model_dim=32, num_heads=2, head_dim
 TINY_2026 = dict(TINY_2025, yarn=True, value_gates=True, key_offset=True, token_windows=True, paired_head_layers="0",
                  value_embed_layers="0..0", bigram_vocab_size=300, skip_layers="0,3", backout_layer=1, init="2026",
                  resid_lambda_init=1.1, logit_cap_height=23.0, logit_cap_shift=5.0, attn_scale=0.1)
+
+
+def test_fp8_head_scales_are_the_records():
+    # lm_head = CastedLinearT(..., x_s=100/448, w_s=1.6/448, grad_s=0.75/448) (P 1165)
+    assert train_gpt.fp8_head_scales(768, "2026") == (100 / 448, 1.6 / 448, 0.75 / 448)
+    args = train_gpt.Hyperparameters(**dict(TINY_2026, fp8_scales="2026"))
+    assert train_gpt.GPT(args, train_gpt.Hardware.detect(args)).fp8_scales == (100 / 448, 1.6 / 448, 0.75 / 448)
