@@ -136,6 +136,7 @@ class Hyperparameters:
     ns_method: str = "newton_schulz"    # newton_schulz (the record's), polar_express or aol (Turbo-Muon)
     ns_coeffs: str = ""                 # "a,b,c;a,b,c;...": replaces ns_method's table, one quintic per step
     ns_backend: str = "auto"            # triton on CUDA, torch elsewhere; or force one
+    ce_backend: str = "auto"            # the multi-token loss (--mtp): triton (the 2026 record's fused kernels) on CUDA
     muon_update_scale: str = "record"   # update x muon_lr*max(1, rows/cols)^0.5 (record) or adam_lr*0.2*max(rows, cols)^0.5
                                         # (moonlight) or muon_lr*(long side/short side)^0.5 (aspect: the 2026 record's)
     mlp_proj_lr_mult: float = 1.0       # the MLP's output matrices' Muon lr x this (2026: 2)
@@ -248,6 +249,7 @@ class Hardware:
     fp8_head: bool
     ns_backend: str
     dist_backend: str
+    ce_backend: str = "torch"           # the multi-token loss: "triton" (fused kernels) or "torch" (its twin)
 
     @staticmethod
     def detect(args, ranks=None):  # on CUDA: GPU number LOCAL_RANK of this machine
@@ -255,11 +257,13 @@ class Hardware:
         use_cuda = uses_cuda(args, torch.cuda.is_available())
         ns_backend = ("triton" if use_cuda and triton is not None else "torch") if args.ns_backend == "auto" \
             else args.ns_backend
+        ce_backend = ("triton" if use_cuda and triton is not None else "torch") if args.ce_backend == "auto" \
+            else args.ce_backend
         if not use_cuda:
-            return Hardware(torch.device("cpu"), torch.float32, "sdpa", False, ns_backend, "gloo")
+            return Hardware(torch.device("cpu"), torch.float32, "sdpa", False, ns_backend, "gloo", ce_backend)
         device = torch.device("cuda", ranks.local_rank)
         fp8 = args.fp8_head and torch.cuda.get_device_capability(device) >= (8, 9)  # Ada, Hopper and newer
-        return Hardware(device, torch.bfloat16, "flex", fp8, ns_backend, "nccl")
+        return Hardware(device, torch.bfloat16, "flex", fp8, ns_backend, "nccl", ce_backend)
 
 def keep_freed_memory_on_cpu():
     """glibc returns the freed (tokens x vocab) logits to the kernel and page-faults them back each
@@ -1497,12 +1501,13 @@ class GPT(nn.Module):
             sums = [F.cross_entropy(self._soft_cap(self._logits(part)), part_targets, reduction="sum")
                     for part, part_targets in zip(x.split(VAL_HEAD_CHUNK), targets.split(VAL_HEAD_CHUNK))]
             return torch.stack(sums).sum() / targets.numel()
+        if mtp_weights is not None and targets is not None:  # the cap inside the loss (fused on CUDA)
+            cap = (self.args.logit_cap_height or 2 * self.args.logit_softcap, self.args.logit_cap_shift,
+                   self.args.logit_softcap / 2)
+            loss = CappedMultiTokenLoss.apply if self.hw.ce_backend == "triton" else capped_multi_token_loss_torch
+            return loss(self._logits(x), targets, mtp_weights, *cap).sum()
         logits = self._soft_cap(self._logits(x))
-        if targets is None:
-            return logits
-        if mtp_weights is None:
-            return F.cross_entropy(logits, targets, reduction="sum")
-        return multi_token_loss(logits, targets, mtp_weights)
+        return logits if targets is None else F.cross_entropy(logits, targets, reduction="sum")
 
     def _logits(self, x):
         if self.hw.fp8_head and self.training:  # validation measures the model in full bf16
@@ -1515,15 +1520,87 @@ class GPT(nn.Module):
             return (height * torch.sigmoid((logits + shift) / width)).float()
         return (height or 2 * self.args.logit_softcap) * torch.sigmoid((logits.float() + shift) / width)
 
-def multi_token_loss(logits, targets, weights):
-    """sum over rows r and k of weights[k] x (cross-entropy of row r against targets[r + k]), where
-    r + k is in the micro-batch: row r also predicts k tokens further (across documents, as the record)."""
-    lse, loss = logits.logsumexp(dim=-1), logits.new_zeros(())
+# --- the multi-token loss: the soft cap and cross-entropy fused (Triton), and its torch twin ---------
+# Row r's loss: sum over k of weights[k] x (logsumexp(z_r) - z_r[targets[r + k]]) where r + k is in
+# the micro-batch (across documents, as the record), z = height x sigmoid((logits + shift) / width).
+# The kernels read each row's logits twice (forward: an online logsumexp; backward: the gradient),
+# never writing the capped logits; the gradient comes out in the logits' dtype.
+
+def capped_multi_token_loss_torch(logits, targets, weights, height, shift, width):  # (rows,) fp32
+    z = height * torch.sigmoid((logits.float() + shift) / width)
+    lse = z.logsumexp(dim=-1)
+    losses = torch.zeros_like(lse)
     for k in range(weights.numel()):
         rows = targets.numel() - k
-        picked = logits[:rows].gather(1, targets[k:, None]).squeeze(1)
-        loss = loss + weights[k] * (lse[:rows] - picked).sum()
-    return loss
+        losses[:rows] += weights[k] * (lse[:rows] - z[:rows].gather(1, targets[k:, None]).squeeze(1))
+    return losses
+
+if triton is not None:
+    @triton.jit
+    def _capped_loss_fwd_kernel(logits_ptr, losses_ptr, lse_ptr, targets_ptr, weights_ptr, row_stride, n_rows, n_cols,
+                                n_weights, height, shift, width, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        row_ptr = logits_ptr + row * row_stride
+        running_max, running_sum = -float("inf"), 0.0
+        for start in range(0, n_cols, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            x = tl.load(row_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+            z = tl.where(cols < n_cols, height * tl.sigmoid((x + shift) / width), -float("inf"))
+            new_max = tl.maximum(running_max, tl.max(z, axis=0))
+            running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(z - new_max), axis=0)
+            running_max = new_max
+        lse = running_max + tl.log(running_sum)
+        tl.store(lse_ptr + row, lse)
+        loss = 0.0
+        for k in range(n_weights):
+            if row + k < n_rows:
+                x = tl.load(row_ptr + tl.load(targets_ptr + row + k)).to(tl.float32)
+                loss += tl.load(weights_ptr + k) * (lse - height * tl.sigmoid((x + shift) / width))
+        tl.store(losses_ptr + row, loss)
+
+    @triton.jit
+    def _capped_loss_bwd_kernel(grad_ptr, grad_losses_ptr, logits_ptr, lse_ptr, targets_ptr, weights_ptr, row_stride,
+                                n_rows, n_cols, n_weights, height, shift, width, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        lse, grad_loss = tl.load(lse_ptr + row), tl.load(grad_losses_ptr + row)
+        weight_sum = 0.0  # each z's share of the softmax, over the row's predictions
+        for k in range(n_weights):
+            if row + k < n_rows:
+                weight_sum += tl.load(weights_ptr + k)
+        for start in range(0, n_cols, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            x = tl.load(logits_ptr + row * row_stride + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+            sig = tl.sigmoid((x + shift) / width)
+            z = height * sig
+            dloss_dz = weight_sum * tl.exp(z - lse)
+            for k in range(n_weights):
+                if row + k < n_rows:
+                    dloss_dz -= tl.where(cols == tl.load(targets_ptr + row + k), tl.load(weights_ptr + k), 0.0)
+            grad = grad_loss * dloss_dz * z * (1.0 - sig) / width  # dz/dx = height sig (1 - sig) / width
+            tl.store(grad_ptr + row * row_stride + cols, grad.to(grad_ptr.dtype.element_ty), mask=cols < n_cols)
+
+class CappedMultiTokenLoss(torch.autograd.Function):
+    """capped_multi_token_loss_torch by the fused kernels: (rows,) fp32 losses."""
+    @staticmethod
+    def forward(ctx, logits, targets, weights, height, shift, width):
+        _require_triton(logits)
+        logits, targets, weights = logits.contiguous(), targets.contiguous(), weights.float().contiguous()
+        rows, cols = logits.shape
+        losses, lse = (torch.empty(rows, dtype=torch.float32, device=logits.device) for _ in range(2))
+        _capped_loss_fwd_kernel[(rows,)](logits, losses, lse, targets, weights, logits.stride(0), rows, cols,
+                                         weights.numel(), height, shift, width, BLOCK=1024, num_warps=8)
+        ctx.save_for_backward(logits, targets, weights, lse)
+        ctx.cap = (height, shift, width)
+        return losses
+
+    @staticmethod
+    def backward(ctx, grad_losses):
+        logits, targets, weights, lse = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        _capped_loss_bwd_kernel[(logits.shape[0],)](grad, grad_losses.contiguous(), logits, lse, targets, weights,
+                                                    logits.stride(0), *logits.shape, weights.numel(), *ctx.cap,
+                                                    BLOCK=1024, num_warps=8)
+        return grad, None, None, None, None, None
 
 # The 2026-01-19 record's Adam, by kind of parameter: (beta1, beta2, lr multiplier, weight decay multiplier)
 ADAM_2026 = {"head": (0.5, 0.95, 1.0, 150.0), "embed": (0.5, 0.95, 1.0, 150.0),

@@ -375,3 +375,77 @@ def test_fp8_head_scales_are_the_records():
     assert train_gpt.fp8_head_scales(768, "2026") == (100 / 448, 1.6 / 448, 0.75 / 448)
     args = train_gpt.Hyperparameters(**dict(TINY_2026, fp8_scales="2026"))
     assert train_gpt.GPT(args, train_gpt.Hardware.detect(args)).fp8_scales == (100 / 448, 1.6 / 448, 0.75 / 448)
+
+
+# --- the fused softcapped multi-token loss (K 397-532) -----------------------------------------------
+
+def record_fused_loss(logits, targets, mtp_weights, A=23.0, B=5.0, C=7.5):
+    """fused_softcapped_entropy_fwd_kernel (K 397-437) per row, written with torch: z = A sigmoid((x + B)/C),
+    loss_r = sum_k w_k (lse_r - z_r[target_{r+k}]) for r + k < n_rows."""
+    z = A * torch.sigmoid((logits.double() + B) / C)
+    lse = torch.logsumexp(z, dim=-1)
+    losses = torch.zeros(logits.shape[0], dtype=torch.float64)
+    for r in range(logits.shape[0]):
+        for k, w in enumerate(mtp_weights.tolist()):
+            if r + k < logits.shape[0]:
+                losses[r] += w * (lse[r] - z[r, targets[r + k]])
+    return losses
+
+
+def record_fused_loss_grad(logits, targets, mtp_weights, grad_losses, A=23.0, B=5.0, C=7.5):
+    """fused_softcapped_entropy_bwd_kernel (K 439-480): grad_x = g_r (S_w softmax(z) - sum_k w_k [col = t_{r+k}])
+    x z (1 - sigmoid(u)) / C, S_w the weights of the row's predictions within the micro-batch."""
+    x = logits.double()
+    sig = torch.sigmoid((x + B) / C)
+    z = A * sig
+    p = torch.softmax(z, dim=-1)
+    grad = torch.zeros_like(x)
+    for r in range(x.shape[0]):
+        dz = torch.zeros(x.shape[1], dtype=torch.float64)
+        for k, w in enumerate(mtp_weights.tolist()):
+            if r + k < x.shape[0]:
+                dz += w * p[r]
+                dz[targets[r + k]] -= w
+        grad[r] = grad_losses[r] * dz * z[r] * (1 - sig[r]) / C
+    return grad
+
+
+@pytest.mark.parametrize("weights", [[1.0, 0.5, 0.2], [1.0, 0.35], [1.0]])
+def test_the_fused_loss_kernels_and_their_twin_are_the_records(weights):
+    """The Triton kernels (in the interpreter) and the torch twin against the record's kernels
+    restated, forward (per-row losses) and backward, fp32, over 2500 columns (three blocks of 1024,
+    the last partial) and 40 rows (the last rows predict fewer tokens)."""
+    gen = torch.Generator().manual_seed(6)
+    logits = 4 * torch.randn(40, 2500, generator=gen)
+    targets = torch.randint(0, 2500, (40,), generator=gen)
+    mtp = torch.tensor(weights)
+    grad_losses = torch.rand(40, generator=gen)
+    expected = record_fused_loss(logits, targets, mtp)
+    expected_grad = record_fused_loss_grad(logits, targets, mtp, grad_losses)
+    for backend in ("triton", "torch"):
+        x = logits.clone().requires_grad_()
+        loss_fn = train_gpt.CappedMultiTokenLoss.apply if backend == "triton" else train_gpt.capped_multi_token_loss_torch
+        losses = loss_fn(x, targets, mtp, 23.0, 5.0, 7.5)
+        torch.testing.assert_close(losses.double(), expected, rtol=1e-5, atol=1e-5, msg=lambda m, b=backend: f"{b}: {m}")
+        losses.backward(grad_losses)
+        torch.testing.assert_close(x.grad.double(), expected_grad, rtol=1e-4, atol=1e-7, msg=lambda m, b=backend: f"{b}: {m}")
+
+
+def test_the_model_runs_the_fused_loss_where_asked():
+    """--ce_backend triton: the model's training loss and gradients through the kernels equal the
+    twin's (the tiny 2026 model, 16 positions: the interpreter is slow over 50304 columns)."""
+    results = {}
+    for backend in ("torch", "triton"):
+        args = train_gpt.Hyperparameters(**dict(TINY_2026, mtp=True, ce_backend=backend, train_seq_len=16,
+                                                attn_block_size=8))
+        hw = train_gpt.Hardware.detect(args)
+        assert hw.ce_backend == backend
+        torch.manual_seed(0)
+        model = train_gpt.GPT(args, hw)
+        chunk = torch.randint(0, 50257, (17,), generator=torch.Generator().manual_seed(7))
+        chunk[0] = train_gpt.BOS_TOKEN
+        loss = model(chunk[:-1], chunk[1:], torch.tensor(2), torch.tensor(1), torch.tensor([1.0, 0.5, 0.25]))
+        loss.backward()
+        results[backend] = (loss.detach(), model.lm_head_w.grad.clone(), model.blocks[0].mlp.fc_w.grad.clone())
+    for a, b in zip(results["torch"], results["triton"]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-8)
