@@ -103,6 +103,7 @@ class Hyperparameters:
     fp8_head: bool = True               # FP8 lm_head where the GPU supports it (off on CPU and pre-Ada GPUs)
     fp8_scales: str = "bounded"         # its operands' scales: bounded (ours, cannot overflow) or 2026 (100, 1.6, 0.75 /448)
     bf16_embeds: bool = True            # embeddings, value embeddings and their Adam moments in bf16
+    bf16_weights: bool = False          # gates and head bf16 too; Muon's fp32 matrices read truncated to bf16 (2026)
     compile: bool = True                # torch.compile the model (--compile_scope: in how many graphs), the orthogonalizer
     compile_scope: str = "model"        # model: one graph, as the record; blocks: each block and the head alone
     compile_adam: bool = False          # compile Adam's update: bf16 rounded where stored only (the record's is eager)
@@ -1100,6 +1101,14 @@ def adam_apply(param, grad, exp_avg, exp_avg_sq, lr, scale, beta1, beta2, eps, d
 def rms_norm(x):
     return F.rms_norm(x, (x.size(-1),))
 
+def as_compute(w, dtype, truncate=False):
+    """A weight in the activations' dtype. truncate (the 2026 record's bf16 weights with a 16-bit
+    mantissa: its fp32 master read by dropping the low bits): toward zero, not to nearest, the
+    gradient passing straight to w (w - (w - t) is t exactly: they share an exponent)."""
+    if truncate and dtype == torch.bfloat16 and w.dtype == torch.float32:
+        w = w - (w - torch.bitwise_and(w.detach().view(torch.int32), -65536).view(torch.float32)).detach()
+    return w.to(dtype)
+
 class Rotary(nn.Module):
     """Rotary embedding on half of each head's dims: head_dim/4 frequencies, each turning a pair of
     dims; the other half stationary. 2025: pairs (i, i + head_dim/2), fp32 tables. yarn (2026):
@@ -1251,6 +1260,7 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         dim, self.num_heads, self.head_dim = args.model_dim, args.num_heads, args.head_dim
         self.value_gates, self.key_offset, self.paired = args.value_gates, key_offset, paired
+        self.truncate = args.bf16_weights
         bound = 3 ** 0.5 * (1.0 if args.init == "2026" else 0.5) * dim ** -0.5  # uniform with std 0.5/sqrt(dim) (2026: 1)
         qkvo = torch.empty(4, self.num_heads * self.head_dim, dim).uniform_(-bound, bound)
         qkvo[3].zero_()  # output projection starts at zero: each block starts as the identity
@@ -1266,7 +1276,7 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x, value_embed, mask):
         B, T, _ = x.shape
         H, D = self.num_heads, self.head_dim
-        w = self.qkvo_w.to(x.dtype)
+        w = as_compute(self.qkvo_w, x.dtype, self.truncate)
         w_qkv, w_o = (self.sa_lambdas[0] * w[:3], self.sa_lambdas[1] * w[3]) if self.value_gates else (w[:3], w[3])
         q, k, v = F.linear(x, w_qkv.flatten(0, 1)).view(B, T, 3, H, D).unbind(2)
         q, k = self.rotary(rms_norm(q), self.paired), self.rotary(rms_norm(k), self.paired)
@@ -1286,15 +1296,17 @@ class CausalSelfAttention(nn.Module):
         return F.linear(y.reshape(B, T, -1), w_o)
 
 class MLP(nn.Module):
-    def __init__(self, dim, hidden):
+    def __init__(self, dim, hidden, truncate=False):
         super().__init__()
+        self.truncate = truncate
         bound = 3 ** 0.5 * 0.5 * dim ** -0.5
         # both stored (dim, hidden), as in the record: one Muon stack, lr factor 1
         self.fc_w = nn.Parameter(torch.empty(dim, hidden).uniform_(-bound, bound))
         self.proj_w = nn.Parameter(torch.zeros(dim, hidden))
 
     def forward(self, x):
-        return F.linear(F.relu(F.linear(x, self.fc_w.T.to(x.dtype))).square(), self.proj_w.to(x.dtype))
+        fc, proj = (as_compute(w, x.dtype, self.truncate) for w in (self.fc_w, self.proj_w))
+        return F.linear(F.relu(F.linear(x, fc.T)).square(), proj)
 
 class Block(nn.Module):
     def __init__(self, args, layer, rotary, has_value_embed):
@@ -1305,7 +1317,7 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(args, rotary, has_value_embed, args.key_offset and self.window == "L",
                                         paired) if has_attention else None
         self.mask_kind = "p" * paired + self.window
-        self.mlp = MLP(args.model_dim, args.mlp_ratio * args.model_dim)
+        self.mlp = MLP(args.model_dim, args.mlp_ratio * args.model_dim, args.bf16_weights)
         # x = a*x + b*x0: two parameters, as Adam treats them apart in the 2026 record. Scalars (0-dim):
         # a (1,) fp32 tensor would make bf16 activations fp32, a 0-dim one keeps their dtype
         self.resid_lambda, self.x0_lambda = nn.Parameter(torch.tensor(args.resid_lambda_init)), nn.Parameter(torch.tensor(0.0))
@@ -1440,6 +1452,10 @@ class GPT(nn.Module):
             for embedding in [self.embed, self.bigram_embed, *self.value_embeds]:
                 if embedding is not None:
                     embedding.bfloat16()
+        if args.bf16_weights:  # the 2026 record's: Adam's small steps round in bf16 (a gate's stop moving past ~0.03)
+            for name, p in self.named_parameters():
+                if name == "lm_head_w" or name.endswith("gate") or name.endswith("gate_w"):
+                    p.data = p.data.bfloat16()
         self.fp8_scales = fp8_head_scales(D, args.fp8_scales)
         self.embed_tied = False  # set per step: embed_tied_at
         if hw.fp8_head:

@@ -130,7 +130,7 @@ def packed(data, tmp_path_factory):
                      smear=True, skip_layers="0,2", backout_layer=1, init="2026", logit_cap_height=23.0,
                      adam_table="2026", adam_weight_decay=0.005, normuon=True, cautious_wd=True, weight_decay=1.2,
                      muon_update_scale="aspect", mlp_proj_lr_mult=2.0, muon_decay="lr2",
-                     embed_split_frac=0.5,  # tied until step 3, the checkpoint's: resumed, it splits
+                     embed_split_frac=0.5, bf16_weights=True,  # tied until step 3, the checkpoint's: resumed, it splits
                      log_dir=tmp / "full")  # 128 from step 4; YaRN at the window changes (steps 2, 4)
     full, final, _ = run(argv, keep_at=(N, tmp / "early.pt"))
     resumed, resumed_final, _ = run([f"--resume={tmp / 'early.pt'}", f"--log_dir={tmp / 'resumed'}",

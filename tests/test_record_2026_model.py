@@ -367,7 +367,7 @@ TINY_2025 = dict(preset="cpu", num_layers=4, model_dim=32, num_heads=2, head_dim
                  fp8_head=False, compile=False)
 TINY_2026 = dict(TINY_2025, yarn=True, value_gates=True, key_offset=True, token_windows=True, paired_head_layers="0",
                  value_embed_layers="0..0", bigram_vocab_size=300, skip_layers="0,3", backout_layer=1, init="2026",
-                 resid_lambda_init=1.1, logit_cap_height=23.0, logit_cap_shift=5.0, attn_scale=0.1)
+                 resid_lambda_init=1.1, logit_cap_height=23.0, logit_cap_shift=5.0, attn_scale=0.1, bf16_weights=True)
 
 
 def test_fp8_head_scales_are_the_records():
@@ -437,7 +437,7 @@ def test_the_model_runs_the_fused_loss_where_asked():
     results = {}
     for backend in ("torch", "triton"):
         args = train_gpt.Hyperparameters(**dict(TINY_2026, mtp=True, ce_backend=backend, train_seq_len=16,
-                                                attn_block_size=8))
+                                                attn_block_size=8, bf16_weights=False))  # fp32: equal to 1e-5
         hw = train_gpt.Hardware.detect(args)
         assert hw.ce_backend == backend
         torch.manual_seed(0)
@@ -449,3 +449,18 @@ def test_the_model_runs_the_fused_loss_where_asked():
         results[backend] = (loss.detach(), model.lm_head_w.grad.clone(), model.blocks[0].mlp.fc_w.grad.clone())
     for a, b in zip(results["torch"], results["triton"]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-8)
+
+
+def test_bf16_weights_read_the_fp32_master_truncated():
+    """The record keeps its Muon matrices as bf16 with a 16-bit mantissa beside them: the forward pass
+    reads the high 16 bits of the fp32 master, i.e. truncated toward zero. as_compute does the same,
+    and passes the gradient straight through."""
+    w = (torch.randn(64, 48) * 3).requires_grad_()
+    bits = w.detach().view(torch.int32)
+    expected = (bits >> 16).to(torch.int16).view(torch.bfloat16)  # the record's (p_precise_raw >> 16) as bf16
+    ours = train_gpt.as_compute(w, torch.bfloat16, truncate=True)
+    assert torch.equal(ours, expected) and not torch.equal(ours, w.detach().to(torch.bfloat16))
+    assert torch.equal(train_gpt.as_compute(w, torch.bfloat16), w.detach().to(torch.bfloat16))  # without: rounded
+    (ours.float() * torch.arange(48.0)).sum().backward()
+    assert torch.equal(w.grad, torch.arange(48.0).expand(64, 48))
+    assert train_gpt.as_compute(w, torch.float32, truncate=True) is w  # fp32 activations (CPU): the master itself

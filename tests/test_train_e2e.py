@@ -133,7 +133,7 @@ SCHEDULES = {
                     smear=True, skip_layers="0,2", backout_layer=1, resid_lambda_init=1.1, init="2026",
                     logit_cap_height=23.0, logit_cap_shift=5.0, adam_table="2026", adam_weight_decay=0.005,
                     normuon=True, cautious_wd=True, weight_decay=1.2, muon_update_scale="aspect", mlp_proj_lr_mult=2.0,
-                    muon_decay="lr2", ns_method="polar_express", adam_every=2, embed_split_frac=0.5),
+                    muon_decay="lr2", ns_method="polar_express", adam_every=2, embed_split_frac=0.5, bf16_weights=True),
                ([1, 1, 1, 1.05, 0.1, 0.1], [0.85, 0.9, 0.95, 0.95, 0.95, 0.9]), [1, 1, 2, 2, 3, 3]),
 }
 
