@@ -150,6 +150,7 @@ class Hyperparameters:
     # loop
     val_every: int = 125                # validate every N steps (0: only at the end)
     warmup_steps: int = 10              # untimed compile/kernel warmup steps, then state reset
+    warmup_at_transitions: bool = False  # warm up on steps 0-2 and around each window change, each validating too (2026)
     check_every: int = 10               # steps between checks for a non-finite loss or a stop signal (one host-GPU sync)
     device: str = "auto"                # auto, cuda or cpu
     threads: int = 0                    # CPU threads per process (0: usable cores / local processes); orders sums
@@ -2008,6 +2009,11 @@ def long_window_blocks_at(step, args):
     tokens = args.window_growth_tokens * (step / args.num_iterations)
     return max(1, int(-(-tokens // args.attn_block_size)))  # float floor division is exact: a true ceiling
 
+def warmup_steps_at_transitions(args):  # steps 0-2 and those around each change of the long window
+    longs = [long_window_blocks_at(s, args) for s in range(args.num_iterations)]
+    changes = [s for s in range(1, args.num_iterations) if longs[s] != longs[s - 1]]
+    return sorted(({0, 1, 2} | {s + d for s in changes for d in (-1, 0, 1)}) & set(range(args.num_iterations)))
+
 def follow_windows(rotary, step, args):  # YaRN's state at a step: the initial one, then each window change up to it
     rotary.reset()
     for s in range(step + 1):
@@ -2266,14 +2272,22 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
             tokens[0] = BOS_TOKEN
             tokens = tokens.to(hw.device)  # inputs and targets view one buffer, as the loader's batches
             return tokens[:-1], tokens[1:]
-        for warmup_step in range(args.warmup_steps):
-            train_step(warmup_step * args.num_iterations // args.warmup_steps, random_batch)
-        with torch.no_grad():
-            model.eval()
-            follow_windows(model.rotary, 0, args)  # step 0's rotary (not YaRN's changes run backwards)
-            inputs, targets = next(val_batches(val_tokens, args.val_seq_len, 0, 1, hw.device))
-            model(inputs, targets, *windows(0))
-            model.train()
+        def validation_pass(step):
+            with torch.no_grad():
+                model.eval()
+                inputs, targets = next(val_batches(val_tokens, args.val_seq_len, 0, 1, hw.device))
+                model(inputs, targets, *windows(step))
+                model.train()
+        steps = [w * args.num_iterations // args.warmup_steps for w in range(args.warmup_steps)]
+        if args.warmup_at_transitions:  # the record's: every graph the run will need (its windows, YaRN scales, sizes)
+            steps = warmup_steps_at_transitions(args)
+            log(f"Sampling steps {steps} for warmup")
+        for step in steps:
+            if args.warmup_at_transitions:
+                validation_pass(step)
+            train_step(step, random_batch)
+        follow_windows(model.rotary, 0, args)  # step 0's rotary (not YaRN's changes run backwards)
+        validation_pass(0)
         model.load_state_dict(initial_params)
         optimizer.reset_state()
         log("Resetting Model")

@@ -142,3 +142,8 @@ def test_bad_schedule_options_fail_in_one_line(option, value, message):
     with pytest.raises(train_gpt.ConfigError) as error:
         config.parse_config(["--preset=cpu", *argv], {}, world_size=1, cuda_available=False)
     assert str(error.value) == message
+
+
+def test_warmup_samples_the_records_steps():
+    # every log of the record: "Sampling steps [0, 1, 2, 519, 520, 521, 1039, 1040, 1041, 1559, 1560, 1561] for warmup"
+    assert train_gpt.warmup_steps_at_transitions(ARGS) == [0, 1, 2, 519, 520, 521, 1039, 1040, 1041, 1559, 1560, 1561]

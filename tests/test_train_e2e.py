@@ -97,13 +97,25 @@ def test_script_writes_a_complete_log(tmp_path, make_shards):
     assert log.read_text() == text
 
 
-def in_process(make_shards_result, on_step=None, **overrides):
+def in_process(make_shards_result, on_step=None, log=None, **overrides):
     train_glob, val_glob, _ = make_shards_result
     args = train_gpt.Hyperparameters(**dict(TINY, train_files=train_glob, val_files=val_glob, **overrides))
     cfg.check_config(args, 1, False)
     hw = train_gpt.Hardware.detect(args)
-    log = lambda *a, **k: None  # noqa: E731
+    log = log or (lambda *a, **k: None)  # noqa: E731
     return train_gpt.train(args, train_gpt.Ranks(), hw, log, on_step=on_step)
+
+
+def test_warmup_at_the_window_changes_changes_nothing(make_shards):
+    """--warmup_at_transitions: warmup trains and validates at steps 0-2 and around each window
+    change (YaRN, the batch size and the embedding split move there too); the run is the same."""
+    data = make_shards()
+    config = dict(SCHEDULES["staged"][0], num_iterations=6)
+    lines = []
+    cold = in_process(data, warmup_steps=0, **config)
+    warm = in_process(data, warmup_steps=1, warmup_at_transitions=True, **config, log=lambda line, **_: lines.append(line))
+    assert "Sampling steps [0, 1, 2, 3, 4, 5] for warmup" in lines
+    assert warm.train_losses == cold.train_losses and warm.val_losses == cold.val_losses
 
 
 def test_training_lowers_the_loss_and_warmup_changes_nothing(make_shards):
