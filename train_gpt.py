@@ -1087,7 +1087,7 @@ def adam_apply(param, grad, exp_avg, exp_avg_sq, lr, scale, beta1, beta2, eps, d
     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
     update = exp_avg.div(exp_avg_sq.sqrt().add_(eps)).mul_(lr * scale)
     if decay is not None:
-        update.add_(param * (update * param > 0) * decay)
+        update.add_(param.float() * (update * param > 0) * decay)  # (in fp32 for a bf16 parameter too)
     param.sub_(update)
 
 
@@ -1457,6 +1457,8 @@ class GPT(nn.Module):
             for name, p in self.named_parameters():
                 if name == "lm_head_w" or name.endswith("gate") or name.endswith("gate_w"):
                     p.data = p.data.bfloat16()
+                elif name.endswith(("qkvo_w", "fc_w", "proj_w")):  # its bf16 start, the mantissa's low bits zero
+                    p.data = p.data.bfloat16().float()
         self.fp8_scales = fp8_head_scales(D, args.fp8_scales)
         self.embed_tied = False  # set per step: embed_tied_at
         if hw.fp8_head:

@@ -81,7 +81,9 @@ def test_adam_steps_are_the_records(bf16_embeds):
     rounding of the parameter's dtype: a few units in the last place of the larger of before/after
     (bf16: one unit, 2^-7 of it at most; fp32: 2^-20, 16 units)."""
     args, hw, model, specs = model_and_specs(bf16_embeds=bool(bf16_embeds), bf16_weights=bf16_embeds == "weights")
-    if bf16_embeds == "weights":  # the record's: every gate and the head bf16 (P 1802-1808)
+    if bf16_embeds == "weights":  # the record's: every gate and the head bf16, its banks start bf16 (P 1802-1808)
+        assert all(torch.equal(p, p.bfloat16().float()) for n, p in model.named_parameters()
+                   if n.endswith(("qkvo_w", "fc_w", "proj_w")))
         assert {n for n, p in model.named_parameters() if p.dtype == torch.bfloat16} == {
             n for n, _ in model.named_parameters() if n.startswith(("embed.", "value_embeds.", "bigram_embed.")) or
             n in ("lm_head_w", "smear_gate", "skip_gate") or n.endswith("gate_w")}
