@@ -47,9 +47,10 @@ BOS_TOKEN = 50256  # GPT-2's <|endoftext|>; every document in a shard starts wit
 # -----------------------------------------------------------------------------------------------
 # 1. Configuration
 #
-# Defaults are the 8xH100 speedrun: the public record of 2025-08-23 ("SparseAttnGate", 1695 steps,
-# val loss 3.2787 over 14 runs), its model, data order, schedules and optimizer formulas. Our own
-# ideas are flags that are off. Each field's comment is its --help text.
+# Defaults are the 8xH100 speedrun: the public record of 2026-01-19 ("Bigram Hash Embedding", 1600
+# steps, val loss 3.2776 over 6 runs in 98.4 s), its model, data order, schedules and optimizer
+# formulas. Our own ideas are flags that are off; so are the older records' ways, where an option
+# still has them (marked 2025: the record of 2025-08-23). Each field's comment is its --help text.
 
 @dataclass
 class Hyperparameters:
@@ -62,102 +63,104 @@ class Hyperparameters:
     train_files: str = "data/fineweb10B/fineweb_train_*.bin"  # glob of training shards, read in name order
     val_files: str = "data/fineweb10B/fineweb_val_*.bin"      # glob of validation shards
     val_tokens: int = 10_485_760        # the first val_tokens tokens of the validation shards
-    train_seq_len: int = 48 * 1024      # tokens per rank per micro-batch
-    train_seq_len_schedule: str = ""    # "16384,32768,49152": train_seq_len per equal part of the scheduled steps (packed)
-    train_max_doc_len: int = 0          # >0: micro-batches pack documents cut at this length (2048); 0: windows from a BOS
+    train_seq_len: int = 48 * 1024      # tokens per rank per micro-batch (after train_seq_len_schedule: the extension's)
+    train_seq_len_schedule: str = "16384,32768,49152"  # train_seq_len per equal part of the scheduled steps ("": fixed)
+    train_max_doc_len: int = 2048       # micro-batches pack documents cut at this length; 0: windows from a BOS (2025)
     val_seq_len: int = 4 * 64 * 1024    # tokens per rank per validation step
     micro_batches: int = 8              # micro-batches per step over all ranks; world size must divide it
     # model
     vocab_size: int = 50304             # 50257 padded to a multiple of 128
-    num_layers: int = 12                # transformer blocks
+    num_layers: int = 11                # transformer blocks
     model_dim: int = 768                # residual stream width
     num_heads: int = 6                  # attention heads per block
     head_dim: int = 128                 # num_heads x head_dim must equal model_dim
     mlp_ratio: int = 4                  # MLP hidden width = mlp_ratio x model_dim
-    attention_free_layers: str = "7"    # comma-separated block indices that have only an MLP
-    num_value_embeds: int = 3           # N value embeddings, added in blocks 0..N-1 and again in the last N
-    value_embed_layers: str = ""        # per block, its value embedding's index or "." for none ("12......012", 2026)
-    bigram_vocab_size: int = 0          # >0: a hashed embedding of each token's (previous, own) pair, added at every block (2026)
-    smear: bool = False                 # each token's embedding takes a gated share of the one before (2026)
-    skip_layers: str = ""               # "3,6": block 3's output joins block 6's input through a gate (2026); "": U-net skips
-    backout_layer: int = -1             # >=0: a learned share of this block's output is taken from the last (2026)
-    resid_lambda_init: float = 1.0      # each block's input is a*x + b*x0 (+ c*bigram), a starting here (2026: 1.1)
-    init: str = "2025"                  # 2026: q,k,v std dim^-0.5, value embeddings 0, head N(0, 0.005) and embed a copy of it
-    attn_scale: float = 0.12            # attention logit scale (instead of 1/sqrt(head_dim))
+    attention_free_layers: str = "6"    # comma-separated block indices that have only an MLP
+    num_value_embeds: int = 3           # value embeddings (without value_embed_layers: into blocks 0..N-1 and the last N)
+    value_embed_layers: str = "12......012"  # per block, its value embedding's index or "." for none
+    bigram_vocab_size: int = 5 * 50304  # rows of the hashed embedding of each (previous, own) token pair, added at
+                                        # every block (0: none)
+    smear: bool = True                  # each token's embedding takes a gated share of the one before
+    skip_layers: str = "3,6"            # block 3's output joins block 6's input through a gate ("": U-net skips, 2025)
+    backout_layer: int = 7              # a learned share of this block's output is taken from the last (-1: none)
+    resid_lambda_init: float = 1.1      # each block's input is a*x + b*x0 + c*bigram, a starting here
+    init: str = "2026"                  # q,k,v std dim^-0.5, value embeddings 0, head N(0, 0.005), embed a copy (2025)
+    attn_scale: float = 0.1             # attention logit scale (instead of 1/sqrt(head_dim)); YaRN raises it
     rotary_base: float = 1024.0         # rotary frequencies (1/base)^linspace(0, 1)
-    yarn: bool = False                  # rotary on adjacent dim pairs, bf16 tables; a long-window change stretches it, raises attn_scale (2026)
-    logit_softcap: float = 15.0         # logits = 2*cap*sigmoid(z/(cap/2)): 30*sigmoid(z/7.5) at 15
-    logit_cap_height: float = 0.0       # >0: logits = height*sigmoid((z + shift)/(cap/2)) (2026: 23*sigmoid((z + 5)/7.5))
-    logit_cap_shift: float = 0.0        # ... the shift
-    mtp: bool = False                   # also predict 2 and 3 tokens ahead, weights [1, .5, .25 -> 0] by thirds of the schedule (2026)
-    attn_block_size: int = 128          # FlexAttention block; windows are whole blocks
-    window_pattern: str = "LSSSLSSLSSSL"  # per block: L long window, S short window (= long/2)
-    window_growth_tokens: int = 1728    # long window: this x training progress, rounded up to whole blocks (>= 1)
-    window_schedule: str = ""           # "3,7,11": long window in blocks per equal part of the scheduled steps, not grown
-    window_final_blocks: int = 0        # long window over the extension steps (0: window_schedule's last)
-    window_validate_final_blocks: int = 0  # long window of the last validation (0: the last step's); short: the step's
-    value_gates: bool = False           # v + 2 sigmoid(W x[:12]) x value embedding per head, scales on W_qkv and W_o (2026)
-    key_offset: bool = False            # long-window layers: keys' stationary dims come from the token before (2026; --yarn)
-    paired_head_layers: str = ""        # "0,2,5,9": layers whose heads attend in pairs, one sequence of twice the length (2026; --yarn)
-    token_windows: bool = False         # a window of w blocks reaches w x attn_block_size tokens back (2026); else w blocks
+    yarn: bool = True                   # rotary on adjacent dim pairs, bf16 tables; a long-window change stretches it
+                                        # and raises attn_scale (false: pairs (i, i + head_dim/2), fp32, 2025)
+    logit_softcap: float = 15.0         # the cap's width is half this: height*sigmoid((z + shift)/7.5)
+    logit_cap_height: float = 23.0      # ... its height (0: 2 x logit_softcap and no shift, 30*sigmoid(z/7.5), 2025)
+    logit_cap_shift: float = 5.0        # ... its shift
+    mtp: bool = True                    # also predict 2 and 3 tokens ahead, weights [1, .5, .25 -> 0] by thirds
+    attn_block_size: int = 128          # the unit of attention windows, in tokens (FlexAttention's block)
+    window_pattern: str = "SSSLSSSSSSL"  # per block: L long window, S short window (= long/2)
+    window_schedule: str = "3,7,11"     # long window in blocks per equal part of the scheduled steps ("": grown)
+    window_growth_tokens: int = 1728    # without window_schedule: long window = this x progress, in whole blocks (2025)
+    window_final_blocks: int = 13       # long window over the extension steps (0: window_schedule's last)
+    window_validate_final_blocks: int = 20  # long window of the last validation (0: the last step's); short: the step's
+    value_gates: bool = True            # v + 2 sigmoid(W x[:12]) x value embedding per head, scales on W_qkv and W_o
+    key_offset: bool = True             # long-window layers: keys' stationary dims come from the token before (--yarn)
+    paired_head_layers: str = "0,2,5,9"  # layers whose heads attend in pairs, one sequence of twice the length (--yarn)
+    token_windows: bool = True          # a window of w blocks reaches w x attn_block_size tokens back; false: w blocks
     fp8_head: bool = True               # FP8 lm_head where the GPU supports it (off on CPU and pre-Ada GPUs)
-    fp8_scales: str = "bounded"         # its operands' scales: bounded (ours, cannot overflow) or 2026 (100, 1.6, 0.75 /448)
-    bf16_embeds: bool = True            # embeddings, value embeddings and their Adam moments in bf16
-    bf16_weights: bool = False          # gates and head bf16 too; Muon's fp32 matrices read truncated to bf16 (2026)
+    fp8_scales: str = "2026"            # its operands' scales: 2026 (100, 1.6, 0.75 /448) or bounded (cannot overflow)
+    bf16_embeds: bool = True            # embeddings, value embeddings and bigram table in bf16
+    bf16_weights: bool = True           # gates and head bf16 too; Muon's fp32 matrices read truncated to bf16
     compile: bool = True                # torch.compile the model (--compile_scope: in how many graphs), the orthogonalizer
     compile_scope: str = "model"        # model: one graph, as the record; blocks: each block and the head alone
     compile_adam: bool = False          # compile Adam's update: bf16 rounded where stored only (the record's is eager)
     # optimization
-    num_iterations: int = 1695          # training steps
-    extension_steps: int = 0            # the last N of them run past the schedules: lr at final_lr_frac, final window
-    lr_plateaus: str = "1"              # "1,1.52,1.73": lr factor before the cooldown, per equal part of the scheduled steps
-    cooldown_frac: float = 0.45         # lr constant, then linear decay over this final fraction of the scheduled steps
+    num_iterations: int = 1600          # training steps
+    extension_steps: int = 40           # the last N of them run past the schedules: lr at final_lr_frac, final window
+    lr_plateaus: str = "1,1.52,1.73"    # lr factor before the cooldown, per equal part of the scheduled steps
+    cooldown_frac: float = 0.55         # lr constant, then linear decay over this final fraction of the scheduled steps
     final_lr_frac: float = 0.1          # lr multiplier reached at the last scheduled step
-    adam_lr: float = 0.008              # Adam learning rate, times the *_lr_mult below per parameter kind
-    adam_beta1: float = 0.8             # Adam first-moment decay
-    adam_beta2: float = 0.95            # Adam second-moment decay
+    adam_lr: float = 0.008              # Adam learning rate, times the kind's multiplier
+    adam_table: str = "2026"            # 2026: betas and multipliers per kind (ADAM_2026), fp32 moments; 2025: the next 5
+    adam_beta1: float = 0.8             # (2025 table) Adam first-moment decay
+    adam_beta2: float = 0.95            # (2025 table) Adam second-moment decay
+    embed_lr_mult: float = 75.0         # (2025 table) embeddings train at adam_lr * this
+    head_lr_mult: float = 1.0           # (2025 table) lm_head trains at adam_lr * this
+    scalar_lr_mult: float = 5.0         # (2025 table) scalar parameters train at adam_lr * this
     adam_eps: float = 1e-10             # Adam epsilon
-    adam_table: str = "2025"            # 2025: the fields' betas and lr multipliers; 2026: ADAM_2026 (per kind, fp32 moments)
-    adam_weight_decay: float = 0.0      # x the kind's multiplier x lr^2: cautious decay where the step shrinks p (2026: 0.005)
-    adam_every: int = 1                 # Adam steps on every N-th step only, with the gradients summed since (2026: 2)
-    embed_split_frac: float = 0.0       # >0: the token embedding is the head's weights until this part of the scheduled
-                                        # steps (its first Adam step from there), then a copy trained apart (2026: 2/3)
-    embed_lr_mult: float = 75.0         # embeddings train at adam_lr * this
-    head_lr_mult: float = 1.0           # lm_head trains at adam_lr * this
-    scalar_lr_mult: float = 5.0         # scalar parameters train at adam_lr * this
+    adam_weight_decay: float = 0.005    # x the kind's multiplier x lr^2: cautious decay where the step shrinks p
+    adam_every: int = 2                 # Adam steps on every N-th step only, with the gradients summed since
+    embed_split_frac: float = 2 / 3     # the token embedding is the head's weights until this part of the scheduled
+                                        # steps (its first Adam step from there), then a copy trained apart (0: untied)
     adam_shard_min_numel: int = 65536   # Adam matrices this big are row-sharded; the rest: one all-reduced fp32 vector
-    muon_lr: float = 0.05               # Muon learning rate of the block matrices
+    muon_lr: float = 0.023              # Muon learning rate of the block matrices
     muon_momentum_start: float = 0.85   # Muon momentum at step 0 ...
     muon_momentum_end: float = 0.95     # ... rising linearly to this
     muon_momentum_warmup_steps: int = 300  # ... over this many steps
-    muon_momentum_cooldown_steps: int = 0  # ... and back down to muon_momentum_start over the last N steps
+    muon_momentum_cooldown_steps: int = 50  # ... and back down to muon_momentum_start over the last N steps
     muon_bucket_matrices: int = 8       # matrices per gradient reduce-scatter (rounded up to a multiple of world size)
     matrix_optimizer: str = "muon"      # muon, or adam: block matrices on Adam too (the baseline for Muon)
     matrix_lr_mult: float = 1.0         # with matrix_optimizer=adam the block matrices train at adam_lr * this
-    ns_method: str = "newton_schulz"    # newton_schulz (the record's), polar_express or aol (Turbo-Muon)
+    ns_method: str = "polar_express"    # polar_express (the record's), newton_schulz (2025) or aol (Turbo-Muon)
     ns_coeffs: str = ""                 # "a,b,c;a,b,c;...": replaces ns_method's table, one quintic per step
     ns_backend: str = "auto"            # triton on CUDA, torch elsewhere; or force one
-    ce_backend: str = "auto"            # the multi-token loss (--mtp): triton (the 2026 record's fused kernels) on CUDA
-    muon_update_scale: str = "record"   # update x muon_lr*max(1, rows/cols)^0.5 (record) or adam_lr*0.2*max(rows, cols)^0.5
-                                        # (moonlight) or muon_lr*(long side/short side)^0.5 (aspect: the 2026 record's)
-    mlp_proj_lr_mult: float = 1.0       # the MLP's output matrices' Muon lr x this (2026: 2)
-    normuon: bool = False               # NorMuon variance normalization after orthogonalization
+    ce_backend: str = "auto"            # the multi-token loss: triton (the record's fused kernels) on CUDA, or torch
+    muon_update_scale: str = "aspect"   # update x muon_lr*(long side/short side)^0.5 (aspect), x muon_lr*max(1,
+                                        # rows/cols)^0.5 (record: 2025), or x adam_lr*0.2*max(rows, cols)^0.5 (moonlight)
+    mlp_proj_lr_mult: float = 2.0       # the MLP's output matrices' Muon lr x this
+    normuon: bool = True                # NorMuon variance normalization after orthogonalization
     normuon_beta2: float = 0.95         # NorMuon second-moment decay
-    weight_decay: float = 0.0           # Muon weight decay (decoupled, scaled by lr)
-    muon_decay: str = "lr"              # the decay's coefficient: weight_decay x lr, or x lr x the matrix's lr (lr2, 2026)
-    cautious_wd: bool = False           # decay only entries where update and parameter agree in sign
+    weight_decay: float = 1.2           # Muon weight decay (decoupled; muon_decay says what scales it)
+    muon_decay: str = "lr2"             # its coefficient: weight_decay x lr x the matrix's lr (lr2), or x lr (lr)
+    cautious_wd: bool = True            # decay only entries where update and parameter agree in sign
     overlap_comms: bool = True          # launch gradient reduce-scatters from backward hooks
     # loop
-    val_every: int = 125                # validate every N steps (0: only at the end)
-    warmup_steps: int = 10              # untimed compile/kernel warmup steps, then state reset
-    warmup_at_transitions: bool = False  # warm up on steps 0-2 and around each window change, each validating too (2026)
+    val_every: int = 250                # validate every N steps (0: only at the end)
+    warmup_steps: int = 10              # 0: no untimed warmup; else (without warmup_at_transitions) this many steps
+    warmup_at_transitions: bool = True  # warm up on steps 0-2 and around each window change, each validating too
     check_every: int = 10               # steps between checks for a non-finite loss or a stop signal (one host-GPU sync)
     device: str = "auto"                # auto, cuda or cpu
     threads: int = 0                    # CPU threads per process (0: usable cores / local processes); orders sums
     dist_timeout_s: int = 900           # a dead rank raises after this long instead of hanging
     # checkpoints and sampling (harness/checkpoints.py, harness/sample.py)
     save_checkpoint: bool = False       # write <run_id>.pt beside the log at the end of training
-    checkpoint_every: int = 0           # ... and every N steps (0: only at the end)
+    checkpoint_every: int = 0           # ... and every N steps (0: only at the end; a multiple of adam_every)
     resume: str = ""                    # continue the run saved in this checkpoint
     sample: str = ""                    # print a continuation of --prompt from this checkpoint, then exit
     prompt: str = ""                    # the text --sample continues
@@ -165,16 +168,19 @@ class Hyperparameters:
     temperature: float = 0.8            # 0: always the most likely token
     top_k: int = 50                     # sample among the k most likely tokens (0: among all)
 
-# cpu: a 4-block model at width 128 on short sequences; trains in minutes on 2 cores.
+# cpu: the record's architecture at 4 blocks of width 128 on short sequences; trains in 2 minutes on 2 cores.
 PRESETS = {
     "speedrun": {},
     "cpu": dict(
-        target_val_loss=6.0,  # a smoke-test bar, not a record: 120 steps reach 5.68 on the sample
-        val_tokens=16 * 1024, train_seq_len=1024, val_seq_len=1024, micro_batches=1,
-        num_layers=4, model_dim=128, num_heads=2, head_dim=64, attention_free_layers="", num_value_embeds=2,
-        window_pattern="LSSL", attn_block_size=64, window_growth_tokens=512, compile=False,
-        num_iterations=120, val_every=40, warmup_steps=2, muon_momentum_warmup_steps=50, dist_timeout_s=120,
-        check_every=1,  # a host sync costs nothing on CPU, and steps are long
+        target_val_loss=6.0,  # a smoke-test bar, not a record
+        val_tokens=16 * 1024, train_seq_len=1024, train_seq_len_schedule="512,768,1024", train_max_doc_len=256,
+        val_seq_len=1024, micro_batches=1, num_layers=4, model_dim=128, num_heads=2, head_dim=64,
+        attention_free_layers="", num_value_embeds=2, value_embed_layers="1.01", bigram_vocab_size=50304,
+        skip_layers="1,2", backout_layer=2, paired_head_layers="0", window_pattern="SSSL", attn_block_size=64,
+        window_schedule="1,3,5", window_final_blocks=6, window_validate_final_blocks=8, compile=False,
+        bf16_weights=False, num_iterations=120, extension_steps=4, val_every=40, warmup_steps=2,
+        warmup_at_transitions=False, muon_momentum_warmup_steps=50, muon_momentum_cooldown_steps=4,
+        dist_timeout_s=120, check_every=1,  # a host sync costs nothing on CPU, and steps are long
     ),
 }
 # Without FineWeb downloaded, the cpu preset trains on the embedded sample. Both lie in this repository.

@@ -86,12 +86,15 @@ def make_shards(tmp_path):
     return make
 
 
-# A model small enough for a CPU test, with every architectural feature switched on.
+# A model small enough for a CPU test, with every architectural feature switched on: the speedrun
+# preset's (the 2026-01-19 record's) at 4 blocks of width 32, one training sequence length.
 TINY = dict(
     preset="cpu", num_layers=4, model_dim=32, num_heads=2, head_dim=16, train_seq_len=128, val_seq_len=128,
-    attn_block_size=32, window_pattern="LSSL", window_growth_tokens=128,
-    attention_free_layers="2", num_value_embeds=1, val_tokens=512, micro_batches=1, num_iterations=4,
-    val_every=2, warmup_steps=0, compile=False, fp8_head=False,
+    train_seq_len_schedule="", train_max_doc_len=64, attn_block_size=32, window_pattern="SSSL",
+    window_schedule="1,2,3", window_final_blocks=3, window_validate_final_blocks=4, attention_free_layers="2",
+    num_value_embeds=1, value_embed_layers="0..0", paired_head_layers="0", skip_layers="0,3", backout_layer=1,
+    bigram_vocab_size=300, val_tokens=512, micro_batches=1, num_iterations=4, extension_steps=1,
+    muon_momentum_cooldown_steps=1, val_every=2, warmup_steps=0, compile=False, fp8_head=False,
 )
 
 
