@@ -103,7 +103,7 @@ class Hyperparameters:
     fp8_head: bool = True               # FP8 lm_head where the GPU supports it (off on CPU and pre-Ada GPUs)
     fp8_scales: str = "bounded"         # its operands' scales: bounded (ours, cannot overflow) or 2026 (100, 1.6, 0.75 /448)
     bf16_embeds: bool = True            # embeddings, value embeddings and their Adam moments in bf16
-    bf16_weights: bool = False          # gates and head bf16 too; Muon's fp32 matrices read truncated to bf16 (2026)
+    bf16_weights: bool = False          # gates and head bf16 too; Muon's fp32 matrices read truncated to bf16, its update bf16 (2026)
     compile: bool = True                # torch.compile the model (--compile_scope: in how many graphs), the orthogonalizer
     compile_scope: str = "model"        # model: one graph, as the record; blocks: each block and the head alone
     compile_adam: bool = False          # compile Adam's update: bf16 rounded where stored only (the record's is eager)
@@ -986,7 +986,10 @@ class ShardedMuonAdam:
         momentum.lerp_(grads, 1 - mu)
         update = grads.lerp_(momentum, mu)  # Nesterov
         update = self.orthogonalize(update.to(self.hw.compute_dtype), args.ns_method, self.hw.ns_backend,
-                                    self.ns_coeffs).float()
+                                    self.ns_coeffs)
+        # --bf16_weights, the record's precision: its Polar Express output stays bf16 and NorMuon scales it
+        # in bf16 (P 712-719, 775); the fp32 master takes it upcast. On CPU the update is fp32 either way.
+        update = update if args.bf16_weights else update.float()
         if group["second_moment"] is not None:
             update = normuon_normalize(update, group["second_moment"], args.normuon_beta2,
                                        -1 if group["second_moment"].size(-1) == 1 else -2)
@@ -1070,7 +1073,8 @@ def muon_apply(params, update, lr, decay, cautious):
 
 def normuon_normalize(update, second_moment, beta2, dim, eps=1e-10):
     """NorMuon as the 2026 record computes it: each row (dim -1) or column (dim -2) over the root of
-    an EMA of its mean square, the Frobenius norm kept (the norms from the mean squares)."""
+    an EMA of its mean square, the Frobenius norm kept (the norms from the mean squares). Statistics
+    in fp32; the scale rounded to update's dtype and applied in it (bf16: the record's)."""
     mean_sq = update.float().square().mean(dim=dim, keepdim=True)
     size = update.size(dim)
     norm = (mean_sq.sum(dim=(-2, -1), keepdim=True) * size).sqrt()
