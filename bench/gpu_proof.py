@@ -11,7 +11,8 @@ of train_gpt.py works, and how fast it is.
 writes DIR/report.md (tables to read) and DIR/report.json (the same figures). Phases:
   env      versions of Python, torch, triton, CUDA and the driver; GPU name, SMs, memory
   correct  each Triton kernel and each ns_method against the PyTorch twin on every Muon matrix
-           shape of the speedrun, in bf16, against an fp64 run (stated bounds); FlexAttention with
+           shape of the speedrun, in bf16, against an fp64 run (stated bounds); the fused MLP's
+           output and gradients (--mlp_backend triton) likewise; FlexAttention with
            flex_block_mask against SDPA with dense_attention_mask, outputs and gradients; the FP8
            head's forward and backward against bf16; graphs, recompiles and graph breaks of the
            compiled model at each --compile_scope
