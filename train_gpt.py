@@ -138,6 +138,7 @@ class Hyperparameters:
     ns_coeffs: str = ""                 # "a,b,c;a,b,c;...": replaces ns_method's table, one quintic per step
     ns_backend: str = "auto"            # triton on CUDA, torch elsewhere; or force one
     ce_backend: str = "auto"            # the multi-token loss (--mtp): triton (the 2026 record's fused kernels) on CUDA
+    mlp_backend: str = "auto"           # the MLP: triton (the 2026 record's GEMM with relu^2 fused) on CUDA, torch elsewhere
     muon_update_scale: str = "record"   # update x muon_lr*max(1, rows/cols)^0.5 (record) or adam_lr*0.2*max(rows, cols)^0.5
                                         # (moonlight) or muon_lr*(long side/short side)^0.5 (aspect: the 2026 record's)
     mlp_proj_lr_mult: float = 1.0       # the MLP's output matrices' Muon lr x this (2026: 2)
@@ -252,20 +253,21 @@ class Hardware:
     ns_backend: str
     dist_backend: str
     ce_backend: str = "torch"           # the multi-token loss: "triton" (fused kernels) or "torch" (its twin)
+    mlp_backend: str = "torch"          # the MLP: "triton" (relu^2 fused into the first GEMM) or "torch" (its twin)
 
     @staticmethod
     def detect(args, ranks=None):  # on CUDA: GPU number LOCAL_RANK of this machine
         ranks = ranks or Ranks()
         use_cuda = uses_cuda(args, torch.cuda.is_available())
-        ns_backend = ("triton" if use_cuda and triton is not None else "torch") if args.ns_backend == "auto" \
-            else args.ns_backend
-        ce_backend = ("triton" if use_cuda and triton is not None else "torch") if args.ce_backend == "auto" \
-            else args.ce_backend
+        ns_backend, ce_backend, mlp_backend = (("triton" if use_cuda and triton is not None else "torch")
+                                               if choice == "auto" else choice
+                                               for choice in (args.ns_backend, args.ce_backend, args.mlp_backend))
         if not use_cuda:
-            return Hardware(torch.device("cpu"), torch.float32, "sdpa", False, ns_backend, "gloo", ce_backend)
+            return Hardware(torch.device("cpu"), torch.float32, "sdpa", False, ns_backend, "gloo", ce_backend,
+                            mlp_backend)
         device = torch.device("cuda", ranks.local_rank)
         fp8 = args.fp8_head and torch.cuda.get_device_capability(device) >= (8, 9)  # Ada, Hopper and newer
-        return Hardware(device, torch.bfloat16, "flex", fp8, ns_backend, "nccl", ce_backend)
+        return Hardware(device, torch.bfloat16, "flex", fp8, ns_backend, "nccl", ce_backend, mlp_backend)
 
 def keep_freed_memory_on_cpu():
     """glibc returns the freed (tokens x vocab) logits to the kernel and page-faults them back each
@@ -1300,10 +1302,91 @@ class CausalSelfAttention(nn.Module):
         y = y * torch.sigmoid(F.linear(x[..., :ATTN_GATE_DIMS], self.gate_w.to(x.dtype))).unsqueeze(-1)
         return F.linear(y.reshape(B, T, -1), w_o)
 
+# --- the MLP: relu(x fc)^2 proj^T, its first GEMM with relu^2 fused (Triton), and its torch twin ----
+# As the 2026-01-19 record's kernel (K 259-391): one pass writes pre = x fc and post = relu(pre)^2,
+# the fp32 accumulator rounded to x's dtype first and relu^2 taken in that dtype (the twin's
+# roundings); backward's dpre = 2 (g proj) relu(pre) is the same GEMM with the other epilogue.
+# The other GEMMs are torch's. Any strides; fp32 accumulation, operands in the input dtype.
+
+def relu_square_mlp_torch(x, fc, proj):  # fc, proj: (dim, hidden)
+    return F.linear(F.relu(F.linear(x, fc.T)).square(), proj)
+
+if triton is not None:
+    @triton.autotune(configs=_rect_tile_configs(), key=["m", "n", "k", "FORWARD"])
+    @triton.jit
+    def _relu_square_matmul_kernel(a_ptr, b_ptr, out_ptr, aux_ptr, m, n, k, stride_am, stride_ak, stride_bk, stride_bn,
+                                   stride_om, stride_on, stride_xm, stride_xn, FORWARD: tl.constexpr,
+                                   IEEE_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                   BLOCK_K: tl.constexpr):
+        # Consecutive programs share a row panel of A; int64 rows: 262144 validation rows x 3072 near 2^31
+        rows = tl.program_id(1).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        inner = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, k, BLOCK_K):
+            left = _load_tile(a_ptr, rows, k0 + inner, stride_am, stride_ak, m, k)
+            right = _load_tile(b_ptr, k0 + inner, cols, stride_bk, stride_bn, k, n)
+            acc = _mma(left, right, acc, IEEE_FP32)
+        mask = (rows[:, None] < m) & (cols[None, :] < n)
+        out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_on
+        aux_ptrs = aux_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xn
+        dtype = out_ptr.dtype.element_ty
+        product = acc.to(dtype)
+        if FORWARD:  # product = pre; aux <- post
+            tl.store(out_ptrs, product, mask=mask)
+            post = tl.maximum(product, 0.0)
+            tl.store(aux_ptrs, (post * post).to(dtype), mask=mask)
+        else:  # product = g proj, aux = pre: out <- dpre
+            pre = tl.load(aux_ptrs, mask=mask, other=0.0)
+            tl.store(out_ptrs, (2 * product * tl.maximum(pre, 0.0)).to(dtype), mask=mask)
+
+def relu_square_matmul_triton(a, b, pre=None):
+    """a (M, K) @ b (K, N), any strides: (pre, relu(pre)^2); given pre, 2 (a @ b) relu(pre)."""
+    _require_triton(a, b)
+    (m, k), n = a.shape, b.shape[1]
+    out = torch.empty(m, n, dtype=a.dtype, device=a.device)
+    aux = torch.empty_like(out) if pre is None else pre
+    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, meta["BLOCK_M"]))
+    _relu_square_matmul_kernel[grid](a, b, out, aux, m, n, k, *a.stride(), *b.stride(), *out.stride(), *aux.stride(),
+                                     FORWARD=pre is None, IEEE_FP32=a.dtype == torch.float32)
+    return (out, aux) if pre is None else out
+
+def register_mlp_ops():  # as register_fp8_ops: opaque to torch.compile, whose dynamo cannot trace the interpreter
+    if hasattr(torch.ops.train_gpt, "relu_square_matmul"):
+        return
+    @torch.library.custom_op("train_gpt::relu_square_matmul", mutates_args=())
+    def relu_square_matmul(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return relu_square_matmul_triton(a, b)
+    relu_square_matmul.register_fake(lambda a, b: tuple(a.new_empty(a.shape[0], b.shape[1]) for _ in range(2)))
+    @torch.library.custom_op("train_gpt::relu_square_matmul_grad", mutates_args=())
+    def relu_square_matmul_grad(a: torch.Tensor, b: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+        return relu_square_matmul_triton(a, b, pre)
+    relu_square_matmul_grad.register_fake(lambda a, b, pre: torch.empty_like(pre))
+
+class FusedReLUSquareMLP(torch.autograd.Function):
+    """relu_square_mlp_torch with the kernel's two epilogues (the record's FusedLinearReLUSquareFunction)."""
+    @staticmethod
+    def forward(ctx, x, fc, proj):
+        if not torch.compiler.is_compiling():  # MLP() registers them too; not traceable
+            register_mlp_ops()
+        rows = x.reshape(-1, x.shape[-1])
+        pre, post = torch.ops.train_gpt.relu_square_matmul(rows, fc)
+        ctx.save_for_backward(rows, fc, proj, pre, post)
+        return (post @ proj.T).view(*x.shape[:-1], proj.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows, fc, proj, pre, post = ctx.saved_tensors
+        grad_rows = grad.reshape(-1, grad.shape[-1])
+        dpre = torch.ops.train_gpt.relu_square_matmul_grad(grad_rows, proj, pre)
+        return (dpre @ fc.T).view(*grad.shape[:-1], fc.shape[0]), rows.T @ dpre, grad_rows.T @ post
+
 class MLP(nn.Module):
-    def __init__(self, dim, hidden, truncate=False):
+    def __init__(self, dim, hidden, truncate=False, backend="torch"):
         super().__init__()
-        self.truncate = truncate
+        self.truncate, self.backend = truncate, backend
+        if backend == "triton":
+            register_mlp_ops()
         bound = 3 ** 0.5 * 0.5 * dim ** -0.5
         # both stored (dim, hidden), as in the record: one Muon stack, lr factor 1
         self.fc_w = nn.Parameter(torch.empty(dim, hidden).uniform_(-bound, bound))
@@ -1311,10 +1394,10 @@ class MLP(nn.Module):
 
     def forward(self, x):
         fc, proj = (as_compute(w, x.dtype, self.truncate) for w in (self.fc_w, self.proj_w))
-        return F.linear(F.relu(F.linear(x, fc.T)).square(), proj)
+        return (FusedReLUSquareMLP.apply if self.backend == "triton" else relu_square_mlp_torch)(x, fc, proj)
 
 class Block(nn.Module):
-    def __init__(self, args, layer, rotary, has_value_embed):
+    def __init__(self, args, layer, rotary, has_value_embed, mlp_backend="torch"):
         super().__init__()
         has_attention = layer not in _layer_list(args.attention_free_layers)
         self.window = args.window_pattern[layer]
@@ -1322,7 +1405,7 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(args, rotary, has_value_embed, args.key_offset and self.window == "L",
                                         paired) if has_attention else None
         self.mask_kind = "p" * paired + self.window
-        self.mlp = MLP(args.model_dim, args.mlp_ratio * args.model_dim, args.bf16_weights)
+        self.mlp = MLP(args.model_dim, args.mlp_ratio * args.model_dim, args.bf16_weights, mlp_backend)
         # x = a*x + b*x0: two parameters, as Adam treats them apart in the 2026 record. Scalars (0-dim):
         # a (1,) fp32 tensor would make bf16 activations fp32, a 0-dim one keeps their dtype
         self.resid_lambda, self.x0_lambda = nn.Parameter(torch.tensor(args.resid_lambda_init)), nn.Parameter(torch.tensor(0.0))
@@ -1434,8 +1517,8 @@ class GPT(nn.Module):
         # (previous, own) token pairs hashed into a table, zero at the start (the record's bigram embedding)
         self.bigram_embed = nn.Embedding(args.bigram_vocab_size, D) if args.bigram_vocab_size else None
         self.value_embed_of_layer = value_embed_of_layer(args)
-        self.blocks = nn.ModuleList(Block(args, i, self.rotary, self.value_embed_of_layer[i] is not None)
-                                    for i in range(L))
+        self.blocks = nn.ModuleList(Block(args, i, self.rotary, self.value_embed_of_layer[i] is not None,
+                                          hw.mlp_backend) for i in range(L))
         self.skip_layers = _layer_list(args.skip_layers)
         if self.skip_layers:  # one skip, x += sigmoid(l) * 2 sigmoid(w x0[:12]) * (the earlier block's output)
             self.skip_gate, self.skip_lambda = nn.Parameter(torch.zeros(ATTN_GATE_DIMS)), nn.Parameter(torch.tensor(-1.5))

@@ -11,7 +11,8 @@ of train_gpt.py works, and how fast it is.
 writes DIR/report.md (tables to read) and DIR/report.json (the same figures). Phases:
   env      versions of Python, torch, triton, CUDA and the driver; GPU name, SMs, memory
   correct  each Triton kernel and each ns_method against the PyTorch twin on every Muon matrix
-           shape of the speedrun, in bf16, against an fp64 run (stated bounds); FlexAttention with
+           shape of the speedrun, in bf16, against an fp64 run (stated bounds); the fused MLP's
+           output and gradients (--mlp_backend triton) likewise; FlexAttention with
            flex_block_mask against SDPA with dense_attention_mask, outputs and gradients; the FP8
            head's forward and backward against bf16; graphs, recompiles and graph breaks of the
            compiled model at each --compile_scope
@@ -783,6 +784,13 @@ def phase_correct(rec, ctx):
     for m, n in wide:
         rec.attempt(f"kernels {m}x{n}", check_kernels, rec, kernels, tg, torch, (stack(m, n), m, n), device, dtype)
 
+    mlp = rec.table(f"Fused MLP (Triton, relu^2 in the first GEMM) vs the PyTorch twin ({dname}), relative "
+                    "Frobenius error against the twin in fp64 on the same inputs; bound = 1.5 x twin + floor",
+                    ["tensor", "shape", "triton err", "twin err", "triton vs twin", "bound", "ok"])
+    mlp_dim = 768 if cuda else smoke_dim(768)   # the speedrun's width
+    for rows in (4096, 4133) if cuda else (45,):   # an odd count: a partial last row tile
+        rec.attempt(f"fused MLP {rows} rows", check_fused_mlp, rec, mlp, tg, torch, rows, mlp_dim, device, dtype)
+
     ortho = rec.table(f"orthogonalize_triton vs orthogonalize_torch ({dname}), relative error against the "
                       "fp64 twin; bound = 1.5 x twin + floor",
                       ["ns_method", "shape (batch)", "triton err", "twin err", "triton vs twin", "bound", "ok"])
@@ -845,6 +853,32 @@ def check_kernels(rec, table, tg, torch, shape, device, dtype):
         err, twin = rel_err(tri, ref), rel_err(twin_out, ref)
         rec.row(table, ["poly_apply" + (" scaled" if scaled else ""), where, err, twin, twin_bound(twin, dname)],
                 ok=err <= twin_bound(twin, dname))
+
+
+def check_fused_mlp(rec, table, tg, torch, rows, dim, device, dtype):
+    """FusedReLUSquareMLP (the model's MLP under --mlp_backend triton) against relu_square_mlp_torch:
+    the output and the three gradients, the weights stored (dim, 4 dim) as the model's."""
+    dname = str(dtype).removeprefix("torch.")
+    x = torch.randn(rows, dim, device=device)
+    x = (x * x.square().mean(-1, keepdim=True).rsqrt()).to(dtype)   # RMS-normed, as the MLP's input
+    fc = ((torch.rand(dim, 4 * dim, device=device) * 2 - 1) * 3 ** 0.5 * 0.5 * dim ** -0.5).to(dtype)  # the init
+    proj = (torch.randn(dim, 4 * dim, device=device) * 0.5 * dim ** -0.5).to(dtype)   # trained: not zero
+    grad = torch.randn(rows, dim, device=device).to(dtype)
+
+    def run(fn, *inputs):
+        inputs = [t.detach().clone().requires_grad_() for t in inputs]
+        out = fn(*inputs)
+        out.backward(grad.to(out.dtype))
+        return [out.detach()] + [t.grad for t in inputs]
+
+    ref = run(tg.relu_square_mlp_torch, x.double(), fc.double(), proj.double())
+    tri = run(tg.FusedReLUSquareMLP.apply, x, fc, proj)
+    twin = run(tg.relu_square_mlp_torch, x, fc, proj)
+    for name, t, w, r in zip(("output", "grad x", "grad fc_w", "grad proj_w"), tri, twin, ref):
+        err, twin_err = rel_err(t, r), rel_err(w, r)
+        bound = twin_bound(twin_err, dname)
+        rec.row(table, [name, f"{rows}x{dim}, hidden {4 * dim}", err, twin_err, rel_err(t, w), bound],
+                ok=err <= bound and t.dtype == dtype and tuple(t.shape) == tuple(w.shape))
 
 
 def check_orthogonalize(rec, table, tg, torch, shape, method, device, dtype):

@@ -24,7 +24,8 @@ FLEX_TILE = 128  # on CUDA, --attn_block_size must be a multiple (check_config s
 CHOICES = dict(preset=tuple(tg.PRESETS), ns_method=tg.NS_METHODS, ns_backend=("auto",) + tg.NS_BACKENDS,
                muon_update_scale=("record", "moonlight", "aspect"), muon_decay=("lr", "lr2"), matrix_optimizer=("muon", "adam"), device=("auto", "cpu", "cuda"),
                compile_scope=("model", "blocks"), init=("2025", "2026"), adam_table=("2025", "2026"),
-               fp8_scales=("bounded", "2026"), ce_backend=("auto",) + tg.NS_BACKENDS)
+               fp8_scales=("bounded", "2026"), ce_backend=("auto",) + tg.NS_BACKENDS,
+               mlp_backend=("auto",) + tg.NS_BACKENDS)
 
 
 class CheckpointMismatch(tg.ConfigError):
@@ -435,7 +436,7 @@ def check_config(args, world_size, cuda_available):
     need(args.attn_block_size % FLEX_TILE == 0 or not tg.uses_cuda(args, cuda_available) or args.sample,
          f"--attn_block_size={args.attn_block_size}: on CUDA, FlexAttention's kernels need a multiple of {FLEX_TILE} "
          f"(a new run: --attn_block_size {FLEX_TILE}; any run, a resumed one too: --device cpu)")
-    for name in ("ns_backend", "ce_backend"):
+    for name in ("ns_backend", "ce_backend", "mlp_backend"):
         need(getattr(args, name) != "triton" or tg.triton is not None, f"--{name}=triton: triton is not installed")
         need(getattr(args, name) != "triton" or tg.uses_cuda(args, cuda_available) or tg.TRITON_INTERPRETING,
              f"--{name}=triton: needs a CUDA device (or TRITON_INTERPRET=1 for tests)")

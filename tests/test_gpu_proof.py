@@ -80,7 +80,9 @@ def test_smoke_correctness_checks_ran_and_passed(smoke):
     ortho = rows(correct, "orthogonalize_triton")
     assert {r["ns_method"] for r in ortho} == {"aol", "polar_express", "newton_schulz"}
     assert {r["shape (batch)"].split()[0] for r in ortho} >= {"6x12", "16x16", "16x64", "64x16"}  # tall too
-    for r in kernels + ortho:
+    mlp = rows(correct, "Fused MLP")
+    assert {r["tensor"] for r in mlp} == {"output", "grad x", "grad fc_w", "grad proj_w"}
+    for r in kernels + ortho + mlp:
         assert r["ok"] == "yes" and r["triton err"] <= r["bound"] < 1e-3  # fp32 on CPU: far below bf16 rounding
     attention = rows(correct, "FlexAttention")
     outputs = [r for r in attention if r["tensor"] == "output"]
