@@ -27,6 +27,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -100,6 +101,8 @@ class Hyperparameters:
     key_offset: bool = False            # long-window layers: keys' stationary dims come from the token before (2026; --yarn)
     paired_head_layers: str = ""        # "0,2,5,9": layers whose heads attend in pairs, one sequence of twice the length (2026; --yarn)
     token_windows: bool = False         # a window of w blocks reaches w x attn_block_size tokens back (2026); else w blocks
+    attn_backend: str = "flex"          # CUDA attention: flex (FlexAttention) or varlen (torch's FlashAttention-2; token windows)
+                                        # varlen: the 2026 record's call (its FA3); CPU: dense SDPA either way
     fp8_head: bool = True               # FP8 lm_head where the GPU supports it (off on CPU and pre-Ada GPUs)
     fp8_scales: str = "bounded"         # its operands' scales: bounded (ours, cannot overflow) or 2026 (100, 1.6, 0.75 /448)
     bf16_embeds: bool = True            # embeddings, value embeddings and their Adam moments in bf16
@@ -248,7 +251,8 @@ def usable_cpus():  # the CPUs this process may run on (taskset, Slurm, a contai
 class Hardware:
     device: torch.device
     compute_dtype: torch.dtype          # bf16 activations on GPU; fp32 on CPU, where bf16 is slow
-    attention: str                      # "flex" (FlexAttention) or "sdpa" (dense mask; FlexAttention has no CPU backward)
+    attention: str                      # "flex" (FlexAttention), "varlen" (FlashAttention-2) or "sdpa" (dense mask: CPU,
+                                        # where FlexAttention has no backward and FlashAttention no kernel)
     fp8_head: bool
     ns_backend: str
     dist_backend: str
@@ -267,7 +271,7 @@ class Hardware:
                             mlp_backend)
         device = torch.device("cuda", ranks.local_rank)
         fp8 = args.fp8_head and torch.cuda.get_device_capability(device) >= (8, 9)  # Ada, Hopper and newer
-        return Hardware(device, torch.bfloat16, "flex", fp8, ns_backend, "nccl", ce_backend, mlp_backend)
+        return Hardware(device, torch.bfloat16, args.attn_backend, fp8, ns_backend, "nccl", ce_backend, mlp_backend)
 
 def keep_freed_memory_on_cpu():
     """glibc returns the freed (tokens x vocab) logits to the kernel and page-faults them back each
@@ -1234,13 +1238,43 @@ def flex_block_mask(tokens, window_blocks, block_size, token_window=False, paire
         return counts[None, None].contiguous(), indices[None, None].contiguous()
     return BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=block_size, mask_mod=mask_mod)
 
-def attention_masks(tokens, long_blocks, args, hw, short_blocks=None, kinds=("L", "S")):
+class VarlenMask(NamedTuple):  # FlashAttention's varlen arguments: cu_seqlens, max_seqlen, window_size=(window, 0)
+    starts: torch.Tensor
+    longest: int
+    window: int
+
+# varlen's capacity: T // 128 + 64 documents (the record's: T // 300 rounded up to 128; +64 for short sequences)
+VARLEN_MEAN_DOC_TOKENS, VARLEN_SPARE_DOCS = 128, 64
+
+def varlen_mask(tokens, window_blocks, block_size, max_doc_len, paired=False, capacity=None):
+    """The token-window mask as varlen_attn's arguments: each document's start (a BOS, and position 0)
+    then T, padded with T to capacity + 1 entries, so that no shape depends on the data (the record's
+    padded cu_seqlens); max_doc_len bounds the documents' lengths. On device, no host sync: a micro-batch
+    of more documents, or of a longer one, stops the run (FlashAttention would skip their tokens).
+    window_blocks: an int (the kernel's argument). paired: over 2T positions, lengths doubled."""
+    T = tokens.numel()
+    docs = document_ids(tokens)
+    docs = docs - docs[0]  # the first document is number 0, a BOS at position 0 or not
+    positions = torch.arange((capacity or T // VARLEN_MEAN_DOC_TOKENS + VARLEN_SPARE_DOCS) + 1, device=tokens.device)
+    starts = torch.searchsorted(docs, positions, out_int32=True)  # document d's first position (T past the last)
+    torch._assert_async((starts[-1] == T) & ((starts[1:] - starts[:-1]).max() <= max_doc_len),
+                        "varlen attention: more documents in a micro-batch than its capacity, or one too long")
+    return VarlenMask((1 + paired) * starts, (1 + paired) * max_doc_len, window_blocks * block_size)
+
+def attention_masks(tokens, long_blocks, args, hw, short_blocks=None, kinds=("L", "S"), training=False):
     """Masks for the long and short windows (short: by default half the long one, at least a block);
-    kinds "pL", "pS": over paired heads' sequence of 2T positions."""
-    short_blocks = torch.clamp(long_blocks // 2, min=1) if short_blocks is None else short_blocks
-    build = flex_block_mask if hw.attention == "flex" else dense_attention_mask
+    kinds "pL", "pS": over paired heads' sequence of 2T positions. varlen: windows as ints; documents
+    no longer than train_max_doc_len in training when packed (the loader cuts them), else T."""
+    if short_blocks is None:
+        short_blocks = max(long_blocks // 2, 1) if isinstance(long_blocks, int) else torch.clamp(long_blocks // 2, min=1)
+    if hw.attention == "varlen":
+        longest = min(args.train_max_doc_len or tokens.numel(), tokens.numel()) if training else tokens.numel()
+        build = functools.partial(varlen_mask, max_doc_len=longest)
+    else:
+        build = functools.partial(flex_block_mask if hw.attention == "flex" else dense_attention_mask,
+                                  token_window=args.token_windows)
     return {kind: build(tokens, long_blocks if kind[-1] == "L" else short_blocks, args.attn_block_size,
-                        args.token_windows, paired=kind[0] == "p") for kind in kinds}
+                        paired=kind[0] == "p") for kind in kinds}
 
 def flex_attention_kernel():  # FlexAttention fuses only when compiled (else 55 GB of scores at 48k tokens)
     from torch.nn.attention.flex_attention import flex_attention
@@ -1250,7 +1284,11 @@ def flex_attention_kernel():  # FlexAttention fuses only when compiled (else 55 
 def _compiled_flex_attention(flex_attention):
     return torch.compile(flex_attention, dynamic=False)
 
-def attend(q, k, v, mask, scale):  # q, k, v: (B, T, H, D) -> (B, T, H, D); mask: a BlockMask or dense booleans
+def attend(q, k, v, mask, scale):  # q, k, v: (B, T, H, D) -> (B, T, H, D); mask: a BlockMask, VarlenMask or booleans
+    if isinstance(mask, VarlenMask):  # one packed sequence (B = 1) of the documents; (W, 0): causal, W keys back
+        from torch.nn.attention.varlen import varlen_attn
+        return varlen_attn(q[0], k[0], v[0], mask.starts, mask.starts, mask.longest, mask.longest, scale=scale,
+                           window_size=(mask.window, 0))[None]
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     if isinstance(mask, torch.Tensor):
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
@@ -1560,18 +1598,19 @@ class GPT(nn.Module):
     def compile_for_training(self, scope, backend="inductor"):
         """scope "model": one graph, as the record (every gradient is final only when backward is).
         "blocks": each block and the head alone, so gradient communication overlaps backward."""
+        # about 12 graph variants of the blocks, or (varlen) a graph per window: more than dynamo's default limit of 8
+        if scope == "blocks" or self.hw.attention == "varlen":
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         if scope == "model":
             self.compile(dynamic=False, fullgraph=True, backend=backend)
             return
-        # about 12 graph variants of the blocks: more than dynamo's default limit of 8
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         for block in self.blocks:
             block.compile(dynamic=False, backend=backend)
         self.head = torch.compile(self.head, dynamic=False, backend=backend)
 
     def trunk(self, tokens, long_window_blocks, short_window_blocks=None):
         masks = attention_masks(tokens, long_window_blocks, self.args, self.hw, short_window_blocks,
-                                sorted({block.mask_kind for block in self.blocks if block.attn is not None}))
+                                sorted({block.mask_kind for block in self.blocks if block.attn is not None}), self.training)
         # the embedding is the head's weights while tied (its gradient joins the head's, as the record's sum)
         x = (F.embedding(tokens, self.lm_head_w) if self.embed_tied else self.embed(tokens)).to(self.hw.compute_dtype)
         if self.args.smear:  # (across documents, as the record)
@@ -2261,9 +2300,10 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
     elif failure is not None:
         raise failure
     batches = None  # made inside the clock: setup derived from the data counts as training time
-    # one device scalar per window size, made once: a copy each step would make the host wait
+    # one device scalar per window size, made once: a copy each step would make the host wait (varlen: ints,
+    # FlashAttention's window is the kernel's argument: a graph per window, as the record's)
     longs = {long_window_blocks_at(s, args) for s in range(args.num_iterations + 1)}
-    window_sizes = {blocks: torch.tensor(blocks, device=hw.device)
+    window_sizes = {blocks: blocks if hw.attention == "varlen" else torch.tensor(blocks, device=hw.device)
                     for blocks in longs | {max(b // 2, 1) for b in longs} | {args.window_validate_final_blocks}}
 
     # the multi-token loss's weights of each step, made once (a copy each step would make the host wait)
@@ -2358,7 +2398,7 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
         rng = torch.Generator().manual_seed(args.seed + 1)  # not the model's stream
         def random_batch(seq_len):
             tokens = torch.randint(0, BOS_TOKEN, (seq_len + 1,), generator=rng)
-            tokens[0] = BOS_TOKEN
+            tokens[::args.train_max_doc_len or seq_len + 1] = BOS_TOKEN  # packed: documents as long as the loader's
             tokens = tokens.to(hw.device)  # inputs and targets view one buffer, as the loader's batches
             return tokens[:-1], tokens[1:]
         def validation_pass(step):
