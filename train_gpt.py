@@ -27,6 +27,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -103,10 +104,12 @@ class Hyperparameters:
     key_offset: bool = True             # long-window layers: keys' stationary dims come from the token before (--yarn)
     paired_head_layers: str = "0,2,5,9"  # layers whose heads attend in pairs, one sequence of twice the length (--yarn)
     token_windows: bool = True          # a window of w blocks reaches w x attn_block_size tokens back; false: w blocks
+    attn_backend: str = "flex"          # CUDA attention: flex (FlexAttention) or varlen (torch's FlashAttention-2, the
+                                        # record's call without its hub download; token windows); CPU: dense SDPA
     fp8_head: bool = True               # FP8 lm_head where the GPU supports it (off on CPU and pre-Ada GPUs)
     fp8_scales: str = "2026"            # its operands' scales: 2026 (100, 1.6, 0.75 /448) or bounded (cannot overflow)
     bf16_embeds: bool = True            # embeddings, value embeddings and bigram table in bf16
-    bf16_weights: bool = True           # gates and head bf16 too; Muon's fp32 matrices read truncated to bf16
+    bf16_weights: bool = True           # gates and head bf16; Muon's fp32 matrices read truncated to bf16, its update bf16
     compile: bool = True                # torch.compile the model (--compile_scope: in how many graphs), the orthogonalizer
     compile_scope: str = "model"        # model: one graph, as the record; blocks: each block and the head alone
     compile_adam: bool = False          # compile Adam's update: bf16 rounded where stored only (the record's is eager)
@@ -141,6 +144,7 @@ class Hyperparameters:
     ns_coeffs: str = ""                 # "a,b,c;a,b,c;...": replaces ns_method's table, one quintic per step
     ns_backend: str = "auto"            # triton on CUDA, torch elsewhere; or force one
     ce_backend: str = "auto"            # the multi-token loss: triton (the record's fused kernels) on CUDA, or torch
+    mlp_backend: str = "auto"           # the MLP: triton (the record's GEMM with relu^2 fused) on CUDA, or torch
     muon_update_scale: str = "aspect"   # update x muon_lr*(long side/short side)^0.5 (aspect), x muon_lr*max(1,
                                         # rows/cols)^0.5 (record: 2025), or x adam_lr*0.2*max(rows, cols)^0.5 (moonlight)
     mlp_proj_lr_mult: float = 2.0       # the MLP's output matrices' Muon lr x this
@@ -253,25 +257,27 @@ def usable_cpus():  # the CPUs this process may run on (taskset, Slurm, a contai
 class Hardware:
     device: torch.device
     compute_dtype: torch.dtype          # bf16 activations on GPU; fp32 on CPU, where bf16 is slow
-    attention: str                      # "flex" (FlexAttention) or "sdpa" (dense mask; FlexAttention has no CPU backward)
+    attention: str                      # "flex" (FlexAttention), "varlen" (FlashAttention-2) or "sdpa" (dense mask: CPU,
+                                        # where FlexAttention has no backward and FlashAttention no kernel)
     fp8_head: bool
     ns_backend: str
     dist_backend: str
     ce_backend: str = "torch"           # the multi-token loss: "triton" (fused kernels) or "torch" (its twin)
+    mlp_backend: str = "torch"          # the MLP: "triton" (relu^2 fused into the first GEMM) or "torch" (its twin)
 
     @staticmethod
     def detect(args, ranks=None):  # on CUDA: GPU number LOCAL_RANK of this machine
         ranks = ranks or Ranks()
         use_cuda = uses_cuda(args, torch.cuda.is_available())
-        ns_backend = ("triton" if use_cuda and triton is not None else "torch") if args.ns_backend == "auto" \
-            else args.ns_backend
-        ce_backend = ("triton" if use_cuda and triton is not None else "torch") if args.ce_backend == "auto" \
-            else args.ce_backend
+        ns_backend, ce_backend, mlp_backend = (("triton" if use_cuda and triton is not None else "torch")
+                                               if choice == "auto" else choice
+                                               for choice in (args.ns_backend, args.ce_backend, args.mlp_backend))
         if not use_cuda:
-            return Hardware(torch.device("cpu"), torch.float32, "sdpa", False, ns_backend, "gloo", ce_backend)
+            return Hardware(torch.device("cpu"), torch.float32, "sdpa", False, ns_backend, "gloo", ce_backend,
+                            mlp_backend)
         device = torch.device("cuda", ranks.local_rank)
         fp8 = args.fp8_head and torch.cuda.get_device_capability(device) >= (8, 9)  # Ada, Hopper and newer
-        return Hardware(device, torch.bfloat16, "flex", fp8, ns_backend, "nccl", ce_backend)
+        return Hardware(device, torch.bfloat16, args.attn_backend, fp8, ns_backend, "nccl", ce_backend, mlp_backend)
 
 def keep_freed_memory_on_cpu():
     """glibc returns the freed (tokens x vocab) logits to the kernel and page-faults them back each
@@ -992,7 +998,10 @@ class ShardedMuonAdam:
         momentum.lerp_(grads, 1 - mu)
         update = grads.lerp_(momentum, mu)  # Nesterov
         update = self.orthogonalize(update.to(self.hw.compute_dtype), args.ns_method, self.hw.ns_backend,
-                                    self.ns_coeffs).float()
+                                    self.ns_coeffs)
+        # --bf16_weights, the record's precision: its Polar Express output stays bf16 and NorMuon scales it
+        # in bf16 (P 712-719, 775); the fp32 master takes it upcast. On CPU the update is fp32 either way.
+        update = update if args.bf16_weights else update.float()
         if group["second_moment"] is not None:
             update = normuon_normalize(update, group["second_moment"], args.normuon_beta2,
                                        -1 if group["second_moment"].size(-1) == 1 else -2)
@@ -1076,7 +1085,8 @@ def muon_apply(params, update, lr, decay, cautious):
 
 def normuon_normalize(update, second_moment, beta2, dim, eps=1e-10):
     """NorMuon as the 2026 record computes it: each row (dim -1) or column (dim -2) over the root of
-    an EMA of its mean square, the Frobenius norm kept (the norms from the mean squares)."""
+    an EMA of its mean square, the Frobenius norm kept (the norms from the mean squares). Statistics
+    in fp32; the scale rounded to update's dtype and applied in it (bf16: the record's)."""
     mean_sq = update.float().square().mean(dim=dim, keepdim=True)
     size = update.size(dim)
     norm = (mean_sq.sum(dim=(-2, -1), keepdim=True) * size).sqrt()
@@ -1234,13 +1244,43 @@ def flex_block_mask(tokens, window_blocks, block_size, token_window=False, paire
         return counts[None, None].contiguous(), indices[None, None].contiguous()
     return BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=block_size, mask_mod=mask_mod)
 
-def attention_masks(tokens, long_blocks, args, hw, short_blocks=None, kinds=("L", "S")):
+class VarlenMask(NamedTuple):  # FlashAttention's varlen arguments: cu_seqlens, max_seqlen, window_size=(window, 0)
+    starts: torch.Tensor
+    longest: int
+    window: int
+
+# varlen's capacity: T // 128 + 64 documents (the record's: T // 300 rounded up to 128; +64 for short sequences)
+VARLEN_MEAN_DOC_TOKENS, VARLEN_SPARE_DOCS = 128, 64
+
+def varlen_mask(tokens, window_blocks, block_size, max_doc_len, paired=False, capacity=None):
+    """The token-window mask as varlen_attn's arguments: each document's start (a BOS, and position 0)
+    then T, padded with T to capacity + 1 entries, so that no shape depends on the data (the record's
+    padded cu_seqlens); max_doc_len bounds the documents' lengths. On device, no host sync: a micro-batch
+    of more documents, or of a longer one, stops the run (FlashAttention would skip their tokens).
+    window_blocks: an int (the kernel's argument). paired: over 2T positions, lengths doubled."""
+    T = tokens.numel()
+    docs = document_ids(tokens)
+    docs = docs - docs[0]  # the first document is number 0, a BOS at position 0 or not
+    positions = torch.arange((capacity or T // VARLEN_MEAN_DOC_TOKENS + VARLEN_SPARE_DOCS) + 1, device=tokens.device)
+    starts = torch.searchsorted(docs, positions, out_int32=True)  # document d's first position (T past the last)
+    torch._assert_async((starts[-1] == T) & ((starts[1:] - starts[:-1]).max() <= max_doc_len),
+                        "varlen attention: more documents in a micro-batch than its capacity, or one too long")
+    return VarlenMask((1 + paired) * starts, (1 + paired) * max_doc_len, window_blocks * block_size)
+
+def attention_masks(tokens, long_blocks, args, hw, short_blocks=None, kinds=("L", "S"), training=False):
     """Masks for the long and short windows (short: by default half the long one, at least a block);
-    kinds "pL", "pS": over paired heads' sequence of 2T positions."""
-    short_blocks = torch.clamp(long_blocks // 2, min=1) if short_blocks is None else short_blocks
-    build = flex_block_mask if hw.attention == "flex" else dense_attention_mask
+    kinds "pL", "pS": over paired heads' sequence of 2T positions. varlen: windows as ints; documents
+    no longer than train_max_doc_len in training when packed (the loader cuts them), else T."""
+    if short_blocks is None:
+        short_blocks = max(long_blocks // 2, 1) if isinstance(long_blocks, int) else torch.clamp(long_blocks // 2, min=1)
+    if hw.attention == "varlen":
+        longest = min(args.train_max_doc_len or tokens.numel(), tokens.numel()) if training else tokens.numel()
+        build = functools.partial(varlen_mask, max_doc_len=longest)
+    else:
+        build = functools.partial(flex_block_mask if hw.attention == "flex" else dense_attention_mask,
+                                  token_window=args.token_windows)
     return {kind: build(tokens, long_blocks if kind[-1] == "L" else short_blocks, args.attn_block_size,
-                        args.token_windows, paired=kind[0] == "p") for kind in kinds}
+                        paired=kind[0] == "p") for kind in kinds}
 
 def flex_attention_kernel():  # FlexAttention fuses only when compiled (else 55 GB of scores at 48k tokens)
     from torch.nn.attention.flex_attention import flex_attention
@@ -1250,7 +1290,11 @@ def flex_attention_kernel():  # FlexAttention fuses only when compiled (else 55 
 def _compiled_flex_attention(flex_attention):
     return torch.compile(flex_attention, dynamic=False)
 
-def attend(q, k, v, mask, scale):  # q, k, v: (B, T, H, D) -> (B, T, H, D); mask: a BlockMask or dense booleans
+def attend(q, k, v, mask, scale):  # q, k, v: (B, T, H, D) -> (B, T, H, D); mask: a BlockMask, VarlenMask or booleans
+    if isinstance(mask, VarlenMask):  # one packed sequence (B = 1) of the documents; (W, 0): causal, W keys back
+        from torch.nn.attention.varlen import varlen_attn
+        return varlen_attn(q[0], k[0], v[0], mask.starts, mask.starts, mask.longest, mask.longest, scale=scale,
+                           window_size=(mask.window, 0))[None]
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     if isinstance(mask, torch.Tensor):
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
@@ -1302,10 +1346,91 @@ class CausalSelfAttention(nn.Module):
         y = y * torch.sigmoid(F.linear(x[..., :ATTN_GATE_DIMS], self.gate_w.to(x.dtype))).unsqueeze(-1)
         return F.linear(y.reshape(B, T, -1), w_o)
 
+# --- the MLP: relu(x fc)^2 proj^T, its first GEMM with relu^2 fused (Triton), and its torch twin ----
+# As the 2026-01-19 record's kernel (K 259-391): one pass writes pre = x fc and post = relu(pre)^2,
+# the fp32 accumulator rounded to x's dtype first and relu^2 taken in that dtype (the twin's
+# roundings); backward's dpre = 2 (g proj) relu(pre) is the same GEMM with the other epilogue.
+# The other GEMMs are torch's. Any strides; fp32 accumulation, operands in the input dtype.
+
+def relu_square_mlp_torch(x, fc, proj):  # fc, proj: (dim, hidden)
+    return F.linear(F.relu(F.linear(x, fc.T)).square(), proj)
+
+if triton is not None:
+    @triton.autotune(configs=_rect_tile_configs(), key=["m", "n", "k", "FORWARD"])
+    @triton.jit
+    def _relu_square_matmul_kernel(a_ptr, b_ptr, out_ptr, aux_ptr, m, n, k, stride_am, stride_ak, stride_bk, stride_bn,
+                                   stride_om, stride_on, stride_xm, stride_xn, FORWARD: tl.constexpr,
+                                   IEEE_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                   BLOCK_K: tl.constexpr):
+        # Consecutive programs share a row panel of A; int64 rows: 262144 validation rows x 3072 near 2^31
+        rows = tl.program_id(1).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        inner = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, k, BLOCK_K):
+            left = _load_tile(a_ptr, rows, k0 + inner, stride_am, stride_ak, m, k)
+            right = _load_tile(b_ptr, k0 + inner, cols, stride_bk, stride_bn, k, n)
+            acc = _mma(left, right, acc, IEEE_FP32)
+        mask = (rows[:, None] < m) & (cols[None, :] < n)
+        out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_on
+        aux_ptrs = aux_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xn
+        dtype = out_ptr.dtype.element_ty
+        product = acc.to(dtype)
+        if FORWARD:  # product = pre; aux <- post
+            tl.store(out_ptrs, product, mask=mask)
+            post = tl.maximum(product, 0.0)
+            tl.store(aux_ptrs, (post * post).to(dtype), mask=mask)
+        else:  # product = g proj, aux = pre: out <- dpre
+            pre = tl.load(aux_ptrs, mask=mask, other=0.0)
+            tl.store(out_ptrs, (2 * product * tl.maximum(pre, 0.0)).to(dtype), mask=mask)
+
+def relu_square_matmul_triton(a, b, pre=None):
+    """a (M, K) @ b (K, N), any strides: (pre, relu(pre)^2); given pre, 2 (a @ b) relu(pre)."""
+    _require_triton(a, b)
+    (m, k), n = a.shape, b.shape[1]
+    out = torch.empty(m, n, dtype=a.dtype, device=a.device)
+    aux = torch.empty_like(out) if pre is None else pre
+    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, meta["BLOCK_M"]))
+    _relu_square_matmul_kernel[grid](a, b, out, aux, m, n, k, *a.stride(), *b.stride(), *out.stride(), *aux.stride(),
+                                     FORWARD=pre is None, IEEE_FP32=a.dtype == torch.float32)
+    return (out, aux) if pre is None else out
+
+def register_mlp_ops():  # as register_fp8_ops: opaque to torch.compile, whose dynamo cannot trace the interpreter
+    if hasattr(torch.ops.train_gpt, "relu_square_matmul"):
+        return
+    @torch.library.custom_op("train_gpt::relu_square_matmul", mutates_args=())
+    def relu_square_matmul(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return relu_square_matmul_triton(a, b)
+    relu_square_matmul.register_fake(lambda a, b: tuple(a.new_empty(a.shape[0], b.shape[1]) for _ in range(2)))
+    @torch.library.custom_op("train_gpt::relu_square_matmul_grad", mutates_args=())
+    def relu_square_matmul_grad(a: torch.Tensor, b: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+        return relu_square_matmul_triton(a, b, pre)
+    relu_square_matmul_grad.register_fake(lambda a, b, pre: torch.empty_like(pre))
+
+class FusedReLUSquareMLP(torch.autograd.Function):
+    """relu_square_mlp_torch with the kernel's two epilogues (the record's FusedLinearReLUSquareFunction)."""
+    @staticmethod
+    def forward(ctx, x, fc, proj):
+        if not torch.compiler.is_compiling():  # MLP() registers them too; not traceable
+            register_mlp_ops()
+        rows = x.reshape(-1, x.shape[-1])
+        pre, post = torch.ops.train_gpt.relu_square_matmul(rows, fc)
+        ctx.save_for_backward(rows, fc, proj, pre, post)
+        return (post @ proj.T).view(*x.shape[:-1], proj.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows, fc, proj, pre, post = ctx.saved_tensors
+        grad_rows = grad.reshape(-1, grad.shape[-1])
+        dpre = torch.ops.train_gpt.relu_square_matmul_grad(grad_rows, proj, pre)
+        return (dpre @ fc.T).view(*grad.shape[:-1], fc.shape[0]), rows.T @ dpre, grad_rows.T @ post
+
 class MLP(nn.Module):
-    def __init__(self, dim, hidden, truncate=False):
+    def __init__(self, dim, hidden, truncate=False, backend="torch"):
         super().__init__()
-        self.truncate = truncate
+        self.truncate, self.backend = truncate, backend
+        if backend == "triton":
+            register_mlp_ops()
         bound = 3 ** 0.5 * 0.5 * dim ** -0.5
         # both stored (dim, hidden), as in the record: one Muon stack, lr factor 1
         self.fc_w = nn.Parameter(torch.empty(dim, hidden).uniform_(-bound, bound))
@@ -1313,10 +1438,10 @@ class MLP(nn.Module):
 
     def forward(self, x):
         fc, proj = (as_compute(w, x.dtype, self.truncate) for w in (self.fc_w, self.proj_w))
-        return F.linear(F.relu(F.linear(x, fc.T)).square(), proj)
+        return (FusedReLUSquareMLP.apply if self.backend == "triton" else relu_square_mlp_torch)(x, fc, proj)
 
 class Block(nn.Module):
-    def __init__(self, args, layer, rotary, has_value_embed):
+    def __init__(self, args, layer, rotary, has_value_embed, mlp_backend="torch"):
         super().__init__()
         has_attention = layer not in _layer_list(args.attention_free_layers)
         self.window = args.window_pattern[layer]
@@ -1324,7 +1449,7 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(args, rotary, has_value_embed, args.key_offset and self.window == "L",
                                         paired) if has_attention else None
         self.mask_kind = "p" * paired + self.window
-        self.mlp = MLP(args.model_dim, args.mlp_ratio * args.model_dim, args.bf16_weights)
+        self.mlp = MLP(args.model_dim, args.mlp_ratio * args.model_dim, args.bf16_weights, mlp_backend)
         # x = a*x + b*x0: two parameters, as Adam treats them apart in the 2026 record. Scalars (0-dim):
         # a (1,) fp32 tensor would make bf16 activations fp32, a 0-dim one keeps their dtype
         self.resid_lambda, self.x0_lambda = nn.Parameter(torch.tensor(args.resid_lambda_init)), nn.Parameter(torch.tensor(0.0))
@@ -1436,8 +1561,8 @@ class GPT(nn.Module):
         # (previous, own) token pairs hashed into a table, zero at the start (the record's bigram embedding)
         self.bigram_embed = nn.Embedding(args.bigram_vocab_size, D) if args.bigram_vocab_size else None
         self.value_embed_of_layer = value_embed_of_layer(args)
-        self.blocks = nn.ModuleList(Block(args, i, self.rotary, self.value_embed_of_layer[i] is not None)
-                                    for i in range(L))
+        self.blocks = nn.ModuleList(Block(args, i, self.rotary, self.value_embed_of_layer[i] is not None,
+                                          hw.mlp_backend) for i in range(L))
         self.skip_layers = _layer_list(args.skip_layers)
         if self.skip_layers:  # one skip, x += sigmoid(l) * 2 sigmoid(w x0[:12]) * (the earlier block's output)
             self.skip_gate, self.skip_lambda = nn.Parameter(torch.zeros(ATTN_GATE_DIMS)), nn.Parameter(torch.tensor(-1.5))
@@ -1479,18 +1604,19 @@ class GPT(nn.Module):
     def compile_for_training(self, scope, backend="inductor"):
         """scope "model": one graph, as the record (every gradient is final only when backward is).
         "blocks": each block and the head alone, so gradient communication overlaps backward."""
+        # about 12 graph variants of the blocks, or (varlen) a graph per window: more than dynamo's default limit of 8
+        if scope == "blocks" or self.hw.attention == "varlen":
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         if scope == "model":
             self.compile(dynamic=False, fullgraph=True, backend=backend)
             return
-        # about 12 graph variants of the blocks: more than dynamo's default limit of 8
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         for block in self.blocks:
             block.compile(dynamic=False, backend=backend)
         self.head = torch.compile(self.head, dynamic=False, backend=backend)
 
     def trunk(self, tokens, long_window_blocks, short_window_blocks=None):
         masks = attention_masks(tokens, long_window_blocks, self.args, self.hw, short_window_blocks,
-                                sorted({block.mask_kind for block in self.blocks if block.attn is not None}))
+                                sorted({block.mask_kind for block in self.blocks if block.attn is not None}), self.training)
         # the embedding is the head's weights while tied (its gradient joins the head's, as the record's sum)
         x = (F.embedding(tokens, self.lm_head_w) if self.embed_tied else self.embed(tokens)).to(self.hw.compute_dtype)
         if self.args.smear:  # (across documents, as the record)
@@ -2180,9 +2306,10 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
     elif failure is not None:
         raise failure
     batches = None  # made inside the clock: setup derived from the data counts as training time
-    # one device scalar per window size, made once: a copy each step would make the host wait
+    # one device scalar per window size, made once: a copy each step would make the host wait (varlen: ints,
+    # FlashAttention's window is the kernel's argument: a graph per window, as the record's)
     longs = {long_window_blocks_at(s, args) for s in range(args.num_iterations + 1)}
-    window_sizes = {blocks: torch.tensor(blocks, device=hw.device)
+    window_sizes = {blocks: blocks if hw.attention == "varlen" else torch.tensor(blocks, device=hw.device)
                     for blocks in longs | {max(b // 2, 1) for b in longs} | {args.window_validate_final_blocks}}
 
     # the multi-token loss's weights of each step, made once (a copy each step would make the host wait)
@@ -2277,7 +2404,7 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
         rng = torch.Generator().manual_seed(args.seed + 1)  # not the model's stream
         def random_batch(seq_len):
             tokens = torch.randint(0, BOS_TOKEN, (seq_len + 1,), generator=rng)
-            tokens[0] = BOS_TOKEN
+            tokens[::args.train_max_doc_len or seq_len + 1] = BOS_TOKEN  # packed: documents as long as the loader's
             tokens = tokens.to(hw.device)  # inputs and targets view one buffer, as the loader's batches
             return tokens[:-1], tokens[1:]
         def validation_pass(step):

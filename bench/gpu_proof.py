@@ -11,13 +11,17 @@ of train_gpt.py works, and how fast it is.
 writes DIR/report.md (tables to read) and DIR/report.json (the same figures). Phases:
   env      versions of Python, torch, triton, CUDA and the driver; GPU name, SMs, memory
   correct  each Triton kernel and each ns_method against the PyTorch twin on every Muon matrix
-           shape of the speedrun, in bf16, against an fp64 run (stated bounds); FlexAttention with
-           flex_block_mask against SDPA with dense_attention_mask, outputs and gradients; the FP8
+           shape of the speedrun, in bf16, against an fp64 run (stated bounds); the fused MLP's
+           output and gradients (--mlp_backend triton) likewise; FlexAttention with
+           flex_block_mask against SDPA with dense_attention_mask, outputs and gradients; with token
+           windows (the 2026 record's), FlexAttention and varlen_attn (--attn_backend varlen) on packed
+           record-like documents, paired heads too, and the varlen masks against the dense ones; the FP8
            head's forward and backward against bf16; graphs, recompiles and graph breaks of the
            compiled model at each --compile_scope
   kernels  ms and TFLOP/s of orthogonalizing the speedrun's Muon stacks (the work of one rank at
            1 and at 8 GPUs), every ns_method on the Triton and on the torch.compile'd torch
-           backend, and the ratio to compiled torch Newton-Schulz
+           backend, and the ratio to compiled torch Newton-Schulz; then FlexAttention against varlen_attn,
+           forward and backward at the 2026 record's shapes (--kernel-parts: which, in which order)
   warm     (only when named) ours and the peer compiled, one step each, untimed (at once where the
            GPU's memory holds both), so that the train and peer phases after it, in this command or
            the next on the same machine, start from warm compilation caches; the autotuning
@@ -112,6 +116,7 @@ LEASE_PLANS = {
     "together": {1: dict(phases="env,warm", total=570),
                  2: dict(phases="env,peer,train,correct")},
 }
+KERNEL_PARTS = ("muon", "attention")   # what the kernels phase times, in this order by default (--kernel-parts)
 ORTHO_MIN_ROWS = 384                 # rows per kernel and orthogonalize check on a GPU (see phase_correct)
 FP8_BOUNDS = {"logits": 0.08, "grad_x": 0.08, "grad_w": 0.08}  # e4m3/e5m2 round to 2^-4/2^-3: ~4% expected
 
@@ -154,6 +159,10 @@ def parse_args(argv):
     p.add_argument("--kernel-gpus", default=None, metavar="W,W",
                    help="world sizes whose per-rank Muon stacks the kernels phase times, in this order (1 and/or 8; "
                         "default 8,1, on --cpu-smoke 8): a short budget can go to those not yet timed")
+    p.add_argument("--kernel-parts", default=None, metavar="PART,PART",
+                   help=f"what the kernels phase times, in this order: {', '.join(KERNEL_PARTS)} (the Muon stacks; "
+                        "FlexAttention vs varlen_attn at the 2026 record's shapes) (default "
+                        f"{','.join(KERNEL_PARTS)})")
     p.add_argument("--total", type=float, default=None, metavar="SECONDS",
                    help="the whole command's time: each phase's budget is cut to what is left of it (less "
                         f"{TOTAL_MARGIN_S} s), so a phase ends on its own budget with its figures; one that would get "
@@ -267,6 +276,11 @@ def parse_args(argv):
         if not worlds or any(w not in ("1", "8") for w in worlds) or len(set(worlds)) < len(worlds):
             p.error(f"--kernel-gpus={opts.kernel_gpus!r}: expected 1, 8, 8,1 or 1,8")
         opts.kernel_gpus = [int(w) for w in worlds]
+    if opts.kernel_parts is not None:
+        parts = [x.strip() for x in opts.kernel_parts.split(",")]
+        if not parts or any(x not in KERNEL_PARTS for x in parts) or len(set(parts)) < len(parts):
+            p.error(f"--kernel-parts={opts.kernel_parts!r}: expected some of {','.join(KERNEL_PARTS)}, each once")
+        opts.kernel_parts = parts
     if opts.report_copy is not None:
         folder = os.path.dirname(os.path.abspath(opts.report_copy))
         if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
@@ -368,7 +382,7 @@ def run_proof(opts):
     settings = dict(steps=opts.steps, variant_steps=opts.variant_steps, steady_from=opts.steady_from,
                     ns_methods=opts.ns_methods, main_flags=opts.main_flags, variants=opts.variants, peer=opts.peer,
                     peer_replace=opts.peer_replace, cpu_smoke=opts.cpu_smoke, budgets=opts.budgets,
-                    profile=opts.profile, kernel_gpus=opts.kernel_gpus)
+                    profile=opts.profile, kernel_gpus=opts.kernel_gpus, kernel_parts=opts.kernel_parts)
     with open(os.path.join(out, "settings.json"), "w") as f:
         json.dump(settings, f, indent=1)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -783,6 +797,13 @@ def phase_correct(rec, ctx):
     for m, n in wide:
         rec.attempt(f"kernels {m}x{n}", check_kernels, rec, kernels, tg, torch, (stack(m, n), m, n), device, dtype)
 
+    mlp = rec.table(f"Fused MLP (Triton, relu^2 in the first GEMM) vs the PyTorch twin ({dname}), relative "
+                    "Frobenius error against the twin in fp64 on the same inputs; bound = 1.5 x twin + floor",
+                    ["tensor", "shape", "triton err", "twin err", "triton vs twin", "bound", "ok"])
+    mlp_dim = 768 if cuda else smoke_dim(768)   # the speedrun's width
+    for rows in (4096, 4133) if cuda else (45,):   # an odd count: a partial last row tile
+        rec.attempt(f"fused MLP {rows} rows", check_fused_mlp, rec, mlp, tg, torch, rows, mlp_dim, device, dtype)
+
     ortho = rec.table(f"orthogonalize_triton vs orthogonalize_torch ({dname}), relative error against the "
                       "fp64 twin; bound = 1.5 x twin + floor",
                       ["ns_method", "shape (batch)", "triton err", "twin err", "triton vs twin", "bound", "ok"])
@@ -847,6 +868,32 @@ def check_kernels(rec, table, tg, torch, shape, device, dtype):
                 ok=err <= twin_bound(twin, dname))
 
 
+def check_fused_mlp(rec, table, tg, torch, rows, dim, device, dtype):
+    """FusedReLUSquareMLP (the model's MLP under --mlp_backend triton) against relu_square_mlp_torch:
+    the output and the three gradients, the weights stored (dim, 4 dim) as the model's."""
+    dname = str(dtype).removeprefix("torch.")
+    x = torch.randn(rows, dim, device=device)
+    x = (x * x.square().mean(-1, keepdim=True).rsqrt()).to(dtype)   # RMS-normed, as the MLP's input
+    fc = ((torch.rand(dim, 4 * dim, device=device) * 2 - 1) * 3 ** 0.5 * 0.5 * dim ** -0.5).to(dtype)  # the init
+    proj = (torch.randn(dim, 4 * dim, device=device) * 0.5 * dim ** -0.5).to(dtype)   # trained: not zero
+    grad = torch.randn(rows, dim, device=device).to(dtype)
+
+    def run(fn, *inputs):
+        inputs = [t.detach().clone().requires_grad_() for t in inputs]
+        out = fn(*inputs)
+        out.backward(grad.to(out.dtype))
+        return [out.detach()] + [t.grad for t in inputs]
+
+    ref = run(tg.relu_square_mlp_torch, x.double(), fc.double(), proj.double())
+    tri = run(tg.FusedReLUSquareMLP.apply, x, fc, proj)
+    twin = run(tg.relu_square_mlp_torch, x, fc, proj)
+    for name, t, w, r in zip(("output", "grad x", "grad fc_w", "grad proj_w"), tri, twin, ref):
+        err, twin_err = rel_err(t, r), rel_err(w, r)
+        bound = twin_bound(twin_err, dname)
+        rec.row(table, [name, f"{rows}x{dim}, hidden {4 * dim}", err, twin_err, rel_err(t, w), bound],
+                ok=err <= bound and t.dtype == dtype and tuple(t.shape) == tuple(w.shape))
+
+
 def check_orthogonalize(rec, table, tg, torch, shape, method, device, dtype):
     dname = str(dtype).removeprefix("torch.")
     G = torch.randn(shape, device=device).to(dtype)
@@ -866,6 +913,24 @@ def doc_tokens(torch, T, n_docs, generator, device):
     tokens[starts] = 50256
     tokens[0] = 50256
     return tokens.to(device)
+
+
+def record_doc_tokens(torch, T, generator, device, max_doc_len=2048):
+    """T random tokens packed as the 2026 record's batches: documents from a BOS at 0, their lengths
+    exponential with a median of ~400 tokens (the record's loader: "median doc length is ~400"), cut
+    at max_doc_len."""
+    lengths = (torch.empty(T).exponential_(1 / 575, generator=generator).long() + 1).clamp(max=max_doc_len)
+    starts = torch.cumsum(lengths, 0) - lengths
+    tokens = torch.randint(0, 50000, (T,), generator=generator)
+    tokens[starts[starts < T]] = 50256
+    return tokens.to(device)
+
+
+def varlen_allowed(torch, mask, total):
+    """What varlen_attn computes from a VarlenMask: query i sees key j in its segment with i - W <= j <= i."""
+    pos = torch.arange(total, device=mask.starts.device)
+    segment = torch.searchsorted(mask.starts.long(), pos, right=True)
+    return (segment[:, None] == segment[None, :]) & (pos[None, :] <= pos[:, None]) & (pos[:, None] - pos[None, :] <= mask.window)
 
 
 def reference_attention(q, k, v, allowed, scale):
@@ -924,6 +989,61 @@ def check_attention(rec, tg, torch, cuda):
                 continue
             fx_err = rel_err(fx, ref)
             rec.row(table, [window, name, fx_err, sd_err, bound], ok=fx_err <= bound)
+    check_token_window_attention(rec, tg, torch, cuda, gen)
+
+
+def check_token_window_attention(rec, tg, torch, cuda, gen):
+    """The 2026 record's attention (--token_windows): both CUDA backends through the trainer's attend,
+    FlexAttention (a BlockMask) and varlen (torch's FlashAttention-2, --attn_backend varlen), against
+    a reference in higher precision, on packed record-like documents, paired heads too; and on every
+    device, that the varlen mask's starts and window allow what the dense mask allows."""
+    import torch.nn.functional as F
+    if cuda:
+        device, dtype, ref_dtype = torch.device("cuda"), torch.bfloat16, torch.float32
+        T, block, H, D, longest = 8192, 128, 6, 128, 2048
+    else:
+        device, dtype, ref_dtype = torch.device("cpu"), torch.float32, torch.float64
+        T, block, H, D, longest = 256, 32, 2, 16, 48
+    if not cuda:
+        rec.note("token windows, cpu smoke: the varlen masks only (FlexAttention has no CPU backward, varlen_attn "
+                 "no CPU kernel)")
+    table = rec.table(f"Token windows (the 2026 record's): FlexAttention and varlen_attn through attend vs a "
+                      f"{str(ref_dtype)[6:]} reference, {T} tokens in record-like documents (at most {longest}; "
+                      f"'whole': validation's, max = T), {H} heads of {D}, blocks of {block}; bound = 2 x SDPA's "
+                      "error + 1e-3", ["window (blocks)", "heads", "documents", "tensor", "flex err", "varlen err",
+                                       "sdpa err", "bound", "ok"])
+    scale = 0.12
+    for window, paired, whole in ((1, False, False), (3, False, False), (13, False, False), (1, True, False),
+                                  (13, True, False), (13, False, True)):
+        tokens = record_doc_tokens(torch, T, gen, device, T if whole else longest)
+        n, h = (2 * T, H // 2) if paired else (T, H)
+        allowed = tg.dense_attention_mask(tokens, window, block, token_window=True, paired=paired)
+        vmask = tg.varlen_mask(tokens, window, block, T if whole else longest, paired=paired)
+        heads = f"{h} x {D}" + (" paired" if paired else "")
+        docs = f"{int((tokens == tg.BOS_TOKEN).sum())}" + (" whole" if whole else "")
+        rec.row(table, [window, heads, docs, "varlen mask = dense mask", None, None, None, None],
+                ok=bool(torch.equal(varlen_allowed(torch, vmask, n), allowed)))
+        if not cuda:   # FlexAttention has no CPU backward, varlen_attn no CPU kernel
+            continue
+        q, k, v, dy = (torch.randn(1, n, h, D, generator=gen).to(device, dtype) for _ in range(4))
+        ref_in = [t.transpose(1, 2).to(ref_dtype).requires_grad_() for t in (q, k, v)]
+        ref_out = reference_attention(*ref_in, allowed, scale)
+        ref = [ref_out.detach(), *torch.autograd.grad(ref_out, ref_in, dy.transpose(1, 2).to(ref_dtype))]
+        sd_in = [t.transpose(1, 2).clone().requires_grad_() for t in (q, k, v)]
+        sd_out = F.scaled_dot_product_attention(*sd_in, attn_mask=allowed, scale=scale)
+        sd = [sd_out.detach(), *torch.autograd.grad(sd_out, sd_in, dy.transpose(1, 2))]
+        flex_mask = tg.flex_block_mask(tokens, torch.tensor(window, device=device), block, token_window=True,
+                                       paired=paired)
+        results = []
+        for mask in (flex_mask, vmask):
+            ins = [t.clone().requires_grad_() for t in (q, k, v)]
+            out = tg.attend(*ins, mask, scale)   # (1, n, h, D), as the reference's transpose
+            results.append([t.transpose(1, 2) for t in (out.detach(), *torch.autograd.grad(out, ins, dy))])
+        for i, name in enumerate(("output", "grad q", "grad k", "grad v")):
+            sd_err = rel_err(sd[i], ref[i])
+            errs = [rel_err(r[i], ref[i]) for r in results]
+            bound = 2 * sd_err + 1e-3
+            rec.row(table, [window, heads, docs, name, *errs, sd_err, bound], ok=all(e <= bound for e in errs))
 
 
 def fp8_head_matmul(tg, x, w):
@@ -1054,6 +1174,66 @@ def compile_scope_counts(rec, table, tg, torch, cuda, scope, layout, cpu_argv):
 # Phase kernels
 
 def phase_kernels(rec, ctx):
+    parts = {"muon": time_orthogonalizers, "attention": time_attention}
+    for part in ctx.get("kernel_parts") or KERNEL_PARTS:
+        rec.attempt(f"kernels: {part}", parts[part], rec, ctx)
+
+
+def time_attention(rec, ctx):
+    """FlexAttention against varlen_attn (--attn_backend), each through the trainer's attend, at the 2026
+    record's shapes: 16Ki and 48Ki tokens a micro-batch, 6 heads of 128 (paired: 3 over 2T positions),
+    windows of 1 to 13 blocks, packed record-like documents; then one validation-sized forward pass,
+    documents whole (varlen's grid grows with its bound, T there). Largest first: a short budget
+    times what the training steps mostly run."""
+    import torch
+    tg = import_trainer()
+    cuda = not ctx["cpu_smoke"]
+    device = torch.device("cuda" if cuda else "cpu")
+    if cuda:
+        lengths, windows, H, D, block, longest, val_len = (49152, 16384), (1, 5, 13), 6, 128, 128, 2048, 262144
+    else:
+        lengths, windows, H, D, block, longest, val_len = (512,), (1, 3), 2, 16, 32, 128, 1024
+        rec.note("attention timing, cpu smoke: the masks only (FlexAttention has no CPU backward, varlen_attn "
+                 "no CPU kernel)")
+    gen = torch.Generator().manual_seed(0)
+    table = rec.table("Attention through attend (the trainer's call): median ms of one call; FlexAttention (a "
+                      "BlockMask, compiled) vs varlen_attn (FlashAttention-2, torch's); 'flex / varlen' above 1: "
+                      f"varlen is faster; documents as the record's packed ones (median ~400 tokens, at most "
+                      f"{longest}); mask ms: building it for one micro-batch (eager)",
+                      ["tokens", "heads", "window (blocks)", "pass", "flex ms", "varlen ms", "flex / varlen",
+                       "flex mask ms", "varlen mask ms"])
+    plan = [(T, paired, w, True) for T in lengths for paired in (False, True) for w in windows]
+    for T, paired, window, train in plan + [(val_len, False, windows[-1], False)]:
+        if time.time() > ctx["deadline"] - 30:
+            rec.data["partial"] = True
+            rec.note("attention timing: stopped early: the phase budget was spent")
+            break
+        bound = longest if train else T
+        tokens = record_doc_tokens(torch, T, gen, device, bound)
+        n, h = (2 * T, H // 2) if paired else (T, H)
+        builders = {"flex": lambda: tg.flex_block_mask(tokens, torch.tensor(window, device=device), block,
+                                                      token_window=True, paired=paired),
+                    "varlen": lambda: tg.varlen_mask(tokens, window, block, bound, paired=paired)}
+        mask_ms = {name: rec.attempt(f"time {name} mask {T} {window}", time_call, torch, cuda, build)
+                   for name, build in builders.items()}
+        ms = {}
+        if cuda:
+            q, k, v = (torch.randn(1, n, h, D, device=device, dtype=torch.bfloat16, requires_grad=train)
+                       for _ in range(3))
+            dy = torch.randn_like(q)
+            for name, build in builders.items():
+                def call(mask=build()):
+                    with torch.set_grad_enabled(train):
+                        out = tg.attend(q, k, v, mask, 0.12)
+                        return torch.autograd.grad(out, (q, k, v), dy) if train else out
+                ms[name] = rec.attempt(f"time {name} attention {T} {window}", time_call, torch, cuda, call)
+        flex, varlen = ms.get("flex"), ms.get("varlen")
+        rec.row(table, [T, f"{h} x {D}" + " paired (2T)" * paired, window,
+                        "forward + backward" if train else "forward (validation, documents whole)", flex, varlen,
+                        flex / varlen if flex and varlen else None, mask_ms["flex"], mask_ms["varlen"]])
+
+
+def time_orthogonalizers(rec, ctx):
     import torch
     tg = import_trainer()
     cuda = not ctx["cpu_smoke"]

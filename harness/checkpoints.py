@@ -23,10 +23,10 @@ import train_gpt as tg
 CHECKPOINT_FORMAT = 1
 # Fields of this machine and this command: a resumed run takes them from its own command line,
 # environment and preset, never from the checkpoint (whose machine may have had other GPUs, or none).
-LAUNCH_FIELDS = {"device", "threads", "compile", "compile_scope", "overlap_comms", "ns_backend", "dist_timeout_s",
-                 "check_every", "warmup_steps"}
+LAUNCH_FIELDS = {"device", "threads", "compile", "compile_scope", "overlap_comms", "ns_backend", "attn_backend",
+                 "dist_timeout_s", "check_every", "warmup_steps"}
 # Fields that choose where, how fast or with what logging training runs, not what it computes
-# (device, ns_backend, compile, compile_scope, compile_adam and CPU threads change rounding only):
+# (device, ns_backend, attn_backend, compile, compile_scope, compile_adam and CPU threads change rounding only):
 # a run may resume with other values of these. compile_adam is no field of the machine: a resumed
 # run keeps the rounding it chose, unless told otherwise. The data may move to another folder: the
 # loader's shard is checked by name and length (check_position below).

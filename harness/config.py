@@ -24,7 +24,8 @@ FLEX_TILE = 128  # on CUDA, --attn_block_size must be a multiple (check_config s
 CHOICES = dict(preset=tuple(tg.PRESETS), ns_method=tg.NS_METHODS, ns_backend=("auto",) + tg.NS_BACKENDS,
                muon_update_scale=("record", "moonlight", "aspect"), muon_decay=("lr", "lr2"), matrix_optimizer=("muon", "adam"), device=("auto", "cpu", "cuda"),
                compile_scope=("model", "blocks"), init=("2025", "2026"), adam_table=("2025", "2026"),
-               fp8_scales=("bounded", "2026"), ce_backend=("auto",) + tg.NS_BACKENDS)
+               fp8_scales=("bounded", "2026"), ce_backend=("auto",) + tg.NS_BACKENDS,
+               mlp_backend=("auto",) + tg.NS_BACKENDS, attn_backend=("flex", "varlen"))
 
 
 class CheckpointMismatch(tg.ConfigError):
@@ -432,10 +433,17 @@ def check_config(args, world_size, cuda_available):
     need(args.device != "cuda" or cuda_available, "--device=cuda: no CUDA device is available")
     # FlexAttention's fused CUDA kernels tile the mask in blocks of up to 128 tokens, which must
     # divide the mask's own (a block of 64 failed to compile on an H100). --sample runs SDPA.
-    need(args.attn_block_size % FLEX_TILE == 0 or not tg.uses_cuda(args, cuda_available) or args.sample,
+    need(args.attn_block_size % FLEX_TILE == 0 or not tg.uses_cuda(args, cuda_available) or args.sample
+         or args.attn_backend == "varlen",
          f"--attn_block_size={args.attn_block_size}: on CUDA, FlexAttention's kernels need a multiple of {FLEX_TILE} "
          f"(a new run: --attn_block_size {FLEX_TILE}; any run, a resumed one too: --device cpu)")
-    for name in ("ns_backend", "ce_backend"):
+    # FlashAttention's window counts tokens (window_size=(W, 0)): it cannot draw a window of whole blocks
+    need(args.attn_backend != "varlen" or args.token_windows, "--attn_backend=varlen: needs --token_windows true "
+         "(FlashAttention's window reaches W tokens back, not whole blocks)")
+    need(args.attn_backend != "varlen" or not tg.uses_cuda(args, cuda_available) or varlen_attn_available(),
+         f"--attn_backend=varlen: torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn with a "
+         "window_size (torch 2.11 or newer)")
+    for name in ("ns_backend", "ce_backend", "mlp_backend"):
         need(getattr(args, name) != "triton" or tg.triton is not None, f"--{name}=triton: triton is not installed")
         need(getattr(args, name) != "triton" or tg.uses_cuda(args, cuda_available) or tg.TRITON_INTERPRETING,
              f"--{name}=triton: needs a CUDA device (or TRITON_INTERPRET=1 for tests)")
@@ -451,6 +459,14 @@ def check_config(args, world_size, cuda_available):
          f"--checkpoint_every={args.checkpoint_every}: needs --save_checkpoint true")
 
 
+def varlen_attn_available():
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return False
+    return "window_size" in inspect.signature(varlen_attn).parameters
+
+
 def check_machine(args, ranks):
     """What this machine must offer the configuration, before Hardware.detect builds on it."""
     if not tg.uses_cuda(args, torch.cuda.is_available()):
@@ -461,7 +477,7 @@ def check_machine(args, ranks):
                              f"{gpus} GPUs; start at most one process per GPU (NPROC={gpus} ./run.sh)")
     # torch.compile does nothing under TORCHDYNAMO_DISABLE=1, and FlexAttention then runs unfused:
     # every score held at once, and the mask's block lists, which hold the window, ignored.
-    if os.environ.get("TORCHDYNAMO_DISABLE") == "1" and not args.sample:
+    if os.environ.get("TORCHDYNAMO_DISABLE") == "1" and not args.sample and args.attn_backend == "flex":
         raise tg.ConfigError("TORCHDYNAMO_DISABLE=1 in the environment: on CUDA FlexAttention runs only compiled "
                              "(unset it: --compile false keeps the rest eager; or --device cpu)")
     # torch._scaled_mm, the FP8 head's matrix multiply, takes multiples of 16 only: otherwise

@@ -122,8 +122,10 @@ def sample_main(args, set_fields=()):
     checkpoint, trained = check_against_checkpoint(args, set_fields)
     if args.threads:
         torch.set_num_threads(args.threads)
-    # The device --device picks; dense attention and the plain head for one growing sequence.
-    hw = dataclasses.replace(tg.Hardware.detect(args), attention="sdpa", fp8_head=False, ns_backend="torch")
+    # The device --device picks; dense attention, the plain head and the torch MLP (whose kernel would
+    # autotune at every length) for one growing sequence.
+    hw = dataclasses.replace(tg.Hardware.detect(args), attention="sdpa", fp8_head=False, ns_backend="torch",
+                             mlp_backend="torch")
     device = hw.device
     model = tg.GPT(trained, hw).to(device).eval()
     try:

@@ -80,12 +80,17 @@ def test_smoke_correctness_checks_ran_and_passed(smoke):
     ortho = rows(correct, "orthogonalize_triton")
     assert {r["ns_method"] for r in ortho} == {"aol", "polar_express", "newton_schulz"}
     assert {r["shape (batch)"].split()[0] for r in ortho} >= {"6x12", "16x16", "16x64", "64x16"}  # tall too
-    for r in kernels + ortho:
+    mlp = rows(correct, "Fused MLP")
+    assert {r["tensor"] for r in mlp} == {"output", "grad x", "grad fc_w", "grad proj_w"}
+    for r in kernels + ortho + mlp:
         assert r["ok"] == "yes" and r["triton err"] <= r["bound"] < 1e-3  # fp32 on CPU: far below bf16 rounding
     attention = rows(correct, "FlexAttention")
     outputs = [r for r in attention if r["tensor"] == "output"]
     assert len(outputs) == 3 and all(r["ok"] == "yes" and r["flex err"] < 1e-5 for r in outputs)
     assert all(r["sdpa err"] < 1e-5 for r in attention)  # SDPA's gradients against the fp64 reference
+    token_windows = rows(correct, "Token windows")  # on CPU the varlen masks only: no kernel runs there
+    assert {r["tensor"] for r in token_windows} == {"varlen mask = dense mask"} and len(token_windows) == 6
+    assert all(r["ok"] == "yes" for r in token_windows) and any("paired" in r["heads"] for r in token_windows)
     compile_rows = {(r["scope"], r["count"]): r for r in rows(correct, "torch.compile")}
     # the record's scope: one graph for training, one for validation, and the FP8 head's two op bodies
     assert compile_rows["model", "graphs_round1"]["measured"] == 4
@@ -109,6 +114,23 @@ def test_smoke_kernels_table_covers_every_method_and_backend(smoke):
     ns_torch = [r for r in timed if (r["ns_method"], r["backend"]) == ("newton_schulz", "torch")]
     assert all(r["vs torch NS"] == 1 for r in ns_torch)
     assert {r["steps"] for r in timed if r["ns_method"] == "aol"} == {4}
+    attention = rows(kernels, "Attention through attend")
+    assert {(r["window (blocks)"], r["pass"]) for r in attention} == {(1, "forward + backward"), (3, "forward + backward"),
+                                                                     (3, "forward (validation, documents whole)")}
+    assert all(r["flex mask ms"] > 0 and r["varlen mask ms"] > 0 and r["flex ms"] is None for r in attention)
+
+
+def test_kernel_parts_choose_what_the_kernels_phase_times(tmp_path, capsys):
+    opts = gpu_proof.parse_args(["--cpu-smoke", "--out", str(tmp_path / "out"), "--phases", "kernels",
+                                 "--kernel-parts", "attention"])
+    assert opts.kernel_parts == ["attention"]
+    rec = gpu_proof.Recorder(str(tmp_path / "kernels.json"), "kernels")
+    gpu_proof.phase_kernels(rec, {"cpu_smoke": True, "deadline": time.time() + 600, "kernel_parts": opts.kernel_parts})
+    assert [t["title"].split(":")[0] for t in rec.data["tables"]] == ["Attention through attend (the trainer's call)"]
+    assert not rec.data["errors"] and len(rec.data["tables"][0]["rows"]) == 5  # 4 training shapes, 1 validation
+    for bad in ("attention,attention", "flash", ""):
+        assert parse_error(capsys, "--out", str(tmp_path / "x"), "--phases", "env", "--kernel-parts", bad) == \
+            f"gpu_proof.py: error: --kernel-parts={bad!r}: expected some of muon,attention, each once\n"
 
 
 def test_kernel_gpus_choose_the_stacks_a_short_budget_times(tmp_path, capsys):

@@ -122,26 +122,38 @@ MUON_2026 = dict(normuon=True, normuon_beta2=0.95, cautious_wd=True, weight_deca
                  ns_backend="torch")
 
 
-def record_normuon_step(p, g, state, lr, lr_mul, momentum, beta2=0.95, wd=1.2):
-    """NorMuonAndAdam._normuon_update (P 694-741) for one matrix in the record's orientation, fp32
-    (the record keeps bf16 weights with a 16-bit mantissa: an fp32 master), with its variance
-    reduction (P 763-775) and cautious decay (P 744-760); Polar Express as ours (tests/test_ns.py
-    holds it to the record's)."""
-    g = g.float()
-    state["buf"].lerp_(g, 1 - momentum)
-    g = g.lerp_(state["buf"], momentum)
-    v = train_gpt.orthogonalize(g, "polar_express", "torch")
+def record_variance_reduction(v, second, beta2=0.95):
+    """NorMuonAndAdam._apply_normuon_variance_reduction (P 762-775) in the record's orientation, eager:
+    statistics in fp32 from v (bf16 in the record: Polar Express's output, P 157, 195), the scale
+    rounded to v's dtype and v scaled in it (P 775)."""
     red_dim = -1 if v.size(-2) >= v.size(-1) else -2
     v_mean = v.float().square().mean(dim=red_dim, keepdim=True)
     size = v.size(red_dim)
     v_norm = v_mean.sum(dim=(-2, -1), keepdim=True).mul_(size).sqrt_()
-    state["second"].lerp_(v_mean, 1 - beta2)
-    step_size = state["second"].clamp_min(1e-10).rsqrt()
-    v_norm_new = ((v_mean * size) * step_size.square()).sum(dim=(-2, -1), keepdim=True).sqrt_()
-    v = v * (step_size * (v_norm / v_norm_new.clamp_min_(1e-10)))
-    eff_lr, eff_wd = lr_mul * lr, wd * lr
-    mask = (v * p) >= 0
-    return p - (p * mask * eff_wd * eff_lr) - (v * eff_lr)
+    second.lerp_(v_mean, 1 - beta2)
+    step_size = second.clamp_min(1e-10).rsqrt()
+    v_norm_new = ((v_mean * size) * step_size.float().square()).sum(dim=(-2, -1), keepdim=True).sqrt_()
+    return v * (step_size * (v_norm / v_norm_new.clamp_min_(1e-10))).type_as(v)
+
+
+def record_cautious_update(p, v, lr, lr_mul, wd=1.2):
+    """_cautious_wd_and_update_inplace (P 744-760) on the fp32 master (the record's bf16 weights with
+    a 16-bit mantissa): the update upcast, decay 1.2 x lr x the matrix's lr where update and
+    parameter agree in sign (or either is 0)."""
+    grad, eff_lr, eff_wd = v.float(), lr_mul * lr, wd * lr
+    mask = (grad * p) >= 0
+    return p - (p * mask * eff_wd * eff_lr) - (grad * eff_lr)
+
+
+def record_normuon_step(p, g, state, lr, lr_mul, momentum, beta2=0.95, wd=1.2):
+    """NorMuonAndAdam._normuon_update (P 694-741) for one matrix in the record's orientation, fp32
+    throughout (the record's Polar Express output is bf16: see the bf16 test below), with its variance
+    reduction and cautious decay; Polar Express as ours (tests/test_ns.py holds it to the record's)."""
+    g = g.float()
+    state["buf"].lerp_(g, 1 - momentum)
+    g = g.lerp_(state["buf"], momentum)
+    v = record_variance_reduction(train_gpt.orthogonalize(g, "polar_express", "torch"), state["second"], beta2)
+    return record_cautious_update(p, v, lr, lr_mul, wd)
 
 
 def test_normuon_steps_are_the_records():
@@ -182,6 +194,62 @@ def test_normuon_steps_are_the_records():
         torch.testing.assert_close(ours if ours.ndim == 3 else ours[None], reference[s.name], rtol=1e-4, atol=1e-6,
                                    msg=lambda m, n=s.name: f"{n}: {m}")
     assert {s.name.split(".")[-1] for s in muon} == {"qkvo_w", "fc_w", "proj_w"}
+
+
+def test_normuon_bf16_update_is_the_records(monkeypatch):
+    """--bf16_weights with the GPU's bf16 orthogonalizer (the torch twin runs bf16 on CPU too), two
+    steps: the update each Muon stack hands to its parameters is bit for bit the record's v_chunk
+    (fp32 momentum, Polar Express bf16 in and out, statistics in fp32, the scale rounded to bf16
+    and applied in bf16: P 700-719, 762-775), and the fp32 master moves as the record's update of
+    its bf16 weight + mantissa (P 744-760) to 16 units in the last place (fp32 arithmetic in
+    another order; measured: 2 at most). The update kept fp32 (the path before) is not bf16, and its
+    unrounded scale moves the parameters up to 1e-4 from the record's (allowed here: 4e-7)."""
+    args, hw, model, specs = model_and_specs(**MUON_2026, bf16_weights=True)
+    hw = dataclasses.replace(hw, compute_dtype=torch.bfloat16)
+    optimizer = train_gpt.ShardedMuonAdam(specs, args, train_gpt.Ranks(), hw)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    applied = []
+    muon_apply = train_gpt.muon_apply
+    def spy(params, update, *rest):
+        new = muon_apply(params, update, *rest)
+        applied.append((params.clone(), update.clone(), new.clone()))
+        return new
+    monkeypatch.setattr(train_gpt, "muon_apply", spy)
+    groups = optimizer.muon_groups
+    is_mlp = [group["owned"][0].spec.name.endswith(("fc_w", "proj_w")) for group in groups]
+    assert sorted(is_mlp) == [False, True]  # one stack of square attention matrices, one of the MLP's (64, 256)
+    record = lambda t, mlp: t.mT if mlp else t  # noqa: E731  the record's (hidden, dim) MLP matrices: ours transposed
+    shapes = [record(g["momentum"], mlp).shape for g, mlp in zip(groups, is_mlp)]  # rows >= cols: a statistic per row
+    states = [dict(buf=torch.zeros(shape), second=torch.zeros(*shape[:-1], 1)) for shape in shapes]
+    gen = torch.Generator().manual_seed(4)
+    for factor, momentum in ((1.0, 0.85), (1.52, 0.9)):
+        grads = {s.name: torch.randn(s.param.shape, generator=gen).to(s.param.dtype) for s in specs}
+        for s in specs:
+            s.param.grad = grads[s.name].clone()
+        optimizer.lr_factor, optimizer.muon_momentum = factor, momentum
+        applied.clear()
+        optimizer.step()
+        optimizer.zero_grad()
+        assert len(applied) == len(groups)
+        for group, mlp, state, (before, update, after) in zip(groups, is_mlp, states, applied):
+            g = record(torch.stack([slot.view(grads[slot.spec.name]) for slot in group["owned"]]), mlp)
+            state["buf"].lerp_(g, 1 - momentum)
+            g = g.lerp_(state["buf"], momentum)
+            # Polar Express: ours (tests/test_ns.py), on the wide view the record's takes too (P 158-159)
+            v = record(train_gpt.orthogonalize(record(g, mlp).bfloat16(), "polar_express", "torch"), mlp)
+            v = record_variance_reduction(v, state["second"])
+            assert v.dtype == update.dtype == torch.bfloat16
+            assert torch.equal(record(update, mlp).view(torch.int16), v.view(torch.int16))
+            names = [slot.spec.name for slot in group["owned"]]
+            lr_mul = [(2.0 if mlp else 1.0) * (2.0 if n.endswith("proj_w") else 1.0) for n in names]
+            reference = torch.stack([record_cautious_update(p, vi, 0.023 * factor, m)
+                                     for p, vi, m in zip(record(before, mlp), v, lr_mul)])
+            bound = 2 ** -20 * torch.maximum(before.abs(), after.abs())
+            assert ((record(after, mlp) - reference).abs() <= record(bound, mlp)).all()
+            assert not torch.equal(after, before)
+    assert {s.name.split(".")[-1] for s in specs if s.optimizer == "muon"} == {"qkvo_w", "fc_w", "proj_w"}
 
 
 def test_adam_every_other_step_and_the_tied_embedding_are_the_records():
