@@ -284,7 +284,7 @@ def test_parameter_counts_match_the_record(speedrun):
 def test_optimizer_state_and_muon_work_per_rank_at_eight_gpus(speedrun, rank):
     """At 8 GPUs each rank orthogonalizes as many matrices as the record's: its banks' views (40, 768,
     768) and (24, 3072, 768) split 5 and 3 per rank (chunk_size = reshape[0] // world_size, P 352),
-    our 22 MLP matrices padded to 24 with zeros as the record's padding layer. State in fp32:
+    our 22 MLP matrices padded to 24 with zero matrices where the record has its padding layer. State in fp32:
     Adam's moments, bf16 parameters too (zeros_like(chunk, dtype=torch.float32), P 399), Muon's
     momentum (P 405-408) and NorMuon's statistic per row of the record's view (P 411-417)."""
     hw, _, specs = speedrun
@@ -292,7 +292,7 @@ def test_optimizer_state_and_muon_work_per_rank_at_eight_gpus(speedrun, rank):
     groups = {tuple(g["grad_stack"].shape[1:]): g for g in optimizer.muon_groups}
     attn, mlp = groups[(D, D)], groups[(D, 4 * D)]
     assert (len(attn["owned"]), len(mlp["owned"])) == (40 // 8, 24 // 8)
-    assert sum(b.padded - len(b.slots) for b in mlp["buckets"]) == 24 - 2 * L  # two zero matrices, as the record's
+    assert sum(b.padded - len(b.slots) for b in mlp["buckets"]) == 24 - 2 * L  # two zero matrices: the record's padding
     assert sum(b.padded - len(b.slots) for b in attn["buckets"]) == 0
     # second_mom_shape = (*chunk_shape[:-1], 1) where rows >= cols (P 411-412): 768 per attention matrix,
     # 3072 per MLP matrix; ours on the wide view (768, 3072): one per column, the record's row
