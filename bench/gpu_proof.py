@@ -1890,7 +1890,7 @@ def phase_peer(rec, ctx):
     kind = peer_kind(ctx["peer"])
     steps, extension = ctx["steps"], ctx["extension_steps"]
     path, edits = peer_copy(ctx, steps, extension)
-    rec.value("peer_edits", [dict(line=line, before=before, after=after) for line, before, after in edits])
+    rec.value("peer_edits", {str(line): dict(before=before, after=after) for line, before, after in edits})  # (json only)
     table = rec.table("Edits made to the copy of the peer script (nothing else differs; ⏎ joins the lines of one "
                       "edit, exact in report.json's peer_edits)", ["line", "original", "copy"])
     for line, before, after in edits:
@@ -2197,8 +2197,8 @@ def render_markdown(report):
     if comp:
         window = (f"steps {comp['steady_window'][0]}..{comp['steady_window'][1]}, both" if comp.get("steady_window")
                   else f"steps {STEADY_FROM}..N, each its own N")
-        flags = f" (ours with `{comp['flags_ours']}`)" if comp.get("flags_ours") else ""
-        out += [f"## Ours vs the public record script (same GPU, same data){flags}", "",
+        flags = f"; ours with `{comp['flags_ours']}`" if comp.get("flags_ours") else ""
+        out += [f"## Ours vs the public record script (same GPU, same data{flags})", "",
                 "| figure | ours | peer | ours / peer |", "|---|---|---|---|",
                 f"| steady ms/step ({window}) | {fmt(comp['steady_ms_ours'])} | "
                 f"{fmt(comp['steady_ms_peer'])} | {fmt(comp['steady_ms_ratio'])} |",

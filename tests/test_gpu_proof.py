@@ -702,7 +702,7 @@ def test_steady_ms_per_stage_leaves_out_each_stages_first_steps_and_compares_ove
     assert [s["ratio"] for s in comp["stages"]] == pytest.approx([1 / 1.1] * 4, rel=3e-3)
     assert comp["val_loss_start_ours"] == comp["val_loss_start_peer"] == 10.8258
     text = gpu_proof.render_markdown(gpu_proof.build_report(phases, ["cmd"], False))
-    assert "(ours with `--attn_backend varlen`)" in text
+    assert "(same GPU, same data; ours with `--attn_backend varlen`)" in text
     assert "| 1/3 | 1..28 |  |  | 21..28 | 250 | 275 | 0.9091 |" in text
     assert "| extension | 85..96 |  |  | 89..90 | 700 | 770 | 0.9091 |" in text
     other = dict(peer, stages=peer["stages"][:2])   # other stages (another schedule): no stage table
@@ -805,6 +805,14 @@ def test_the_2026_records_copy_makes_exactly_the_listed_edits_and_still_compiles
     settings = [ast.unparse(n.targets[0]) for n in ast.walk(tree) if isinstance(n, ast.Assign)
                 and ast.unparse(n.targets[0]).startswith("dynamo.config.")]
     assert settings and all(hasattr(torch._dynamo.config, s.split(".")[-1]) for s in settings)
+
+
+@pytest.mark.skipif(not PEER_2026.exists(), reason="../shared/peers is absent")
+def test_a_2026_peer_without_its_kernels_file_is_refused_in_one_line(tmp_path, capsys):
+    alone = tmp_path / "train_gpt.py"
+    shutil.copyfile(PEER_2026, alone)
+    err = parse_error(capsys, "--cpu-smoke", "--out", str(tmp_path / "out"), "--phases", "peer", "--peer", str(alone))
+    assert len(err.strip().splitlines()) == 1 and "triton_kernels.py must sit beside it" in err
 
 
 def fake_phase(name, status="ok", values=None):
