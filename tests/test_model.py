@@ -199,7 +199,8 @@ print(max(np.abs(rotary.cos.numpy() - np.cos(theta)).max(), np.abs(rotary.sin.nu
 
 @pytest.mark.slow
 def test_rotary_tables_are_exact_in_every_process():
-    """The cpu preset's tables in fresh processes, each making its first vectorized cos and sin
+    """The 2025 rotary's fp32 tables (--yarn false; YaRN's are bf16, coarser than the race's error)
+    at the cpu preset's sizes in fresh processes, each making its first vectorized cos and sin
     there: without the one-element call before them, 1 to 4 processes in 10 (2-core Xeon,
     torch 2.13.0+cpu) had cos errors of 1.5e-4 in the second thread's half of the table: a race,
     so the old code failed this test often (3 of 4 tries), not always."""

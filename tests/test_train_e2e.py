@@ -120,7 +120,7 @@ def test_warmup_at_the_window_changes_changes_nothing(make_shards):
 
 def test_training_lowers_the_loss_and_warmup_changes_nothing(make_shards):
     """8 steps: Adam steps every second one (--adam_every 2) and the tied embedding at the 2026
-    table's lr, so 6 steps lowered the val loss by 0.38 only (the 2025 defaults' 6 steps: over 0.5).
+    table's lr, so 6 steps lowered the val loss by 0.38 only (on the 2025 defaults by over 0.5).
     The warmup of a number of steps (--warmup_at_transitions false; its default: the test above)."""
     data = make_shards()
     cold = in_process(data, warmup_steps=0, num_iterations=8, val_every=8)  # validations at steps 0 and 8
