@@ -452,6 +452,8 @@ def check_config(args, world_size, cuda_available):
     need(args.checkpoint_every % args.adam_every == 0, f"--checkpoint_every={args.checkpoint_every}: must be a multiple "
          f"of adam_every={args.adam_every} (Adam's summed gradients between its steps are not saved)")
     need(0.0 <= args.embed_split_frac <= 1.0, f"--embed_split_frac={args.embed_split_frac}: must lie in [0, 1]")
+    # tied to a zero head (--init 2025 starts the head at zero), every activation and gradient is zero: nothing trains
+    need(not args.embed_split_frac or args.init != "2025", f"--init=2025: its zero head is the tied embedding (--embed_split_frac={args.embed_split_frac:g}), so nothing would train: add --embed_split_frac 0")
     need(not args.embed_split_frac or args.vocab_size * args.model_dim >= args.adam_shard_min_numel,
          f"--embed_split_frac={args.embed_split_frac}: the split copies the head's sharded Adam state: needs "
          f"adam_shard_min_numel <= vocab_size x model_dim")

@@ -100,6 +100,7 @@ BAD = [
      "--checkpoint_every=3: must be a multiple of adam_every=2"),
     (["--adam_every", "0"], {}, 1, "--adam_every=0: must be at least 1"),
     (["--embed_split_frac", "1.5"], {}, 1, "--embed_split_frac=1.5: must lie in [0, 1]"),
+    (["--init", "2025"], {}, 1, "--init=2025: its zero head is the tied embedding (--embed_split_frac=0.666667)"),
     (["--mlp_proj_lr_mult", "0"], {}, 1, "--mlp_proj_lr_mult=0.0: must be positive"),
     (["--paired_head_layers", "0", "--yarn", "false", "--key_offset", "false"], {}, 1,
      "--paired_head_layers='0': needs --yarn"),
