@@ -371,7 +371,7 @@ TINY_2025 = dict(preset="cpu", num_layers=4, model_dim=32, num_heads=2, head_dim
                  num_value_embeds=1, value_embed_layers="", window_pattern="LSSL", attn_block_size=16,
                  train_seq_len=64, val_seq_len=64, fp8_head=False, compile=False, yarn=False, value_gates=False,
                  key_offset=False, token_windows=False, paired_head_layers="", bigram_vocab_size=0, smear=False,
-                 skip_layers="", backout_layer=-1, init="2025", resid_lambda_init=1.0, logit_cap_height=0.0,
+                 skip_layers="", backout_layer=-1, init="2025", embed_split_frac=0.0, resid_lambda_init=1.0, logit_cap_height=0.0,
                  logit_cap_shift=0.0, attn_scale=0.12, mtp=False, bf16_weights=False)
 
 

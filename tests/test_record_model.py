@@ -33,7 +33,7 @@ CPU = train_gpt.Hardware(torch.device("cpu"), torch.float32, "sdpa", False, "tor
 # windows from a BOS, its schedules (1695 steps, one lr plateau, windows grown by progress), fp32 weights.
 RECORD_2025 = dict(
     num_layers=12, attention_free_layers="7", value_embed_layers="", window_pattern="LSSSLSSLSSSL",
-    bigram_vocab_size=0, smear=False, skip_layers="", backout_layer=-1, resid_lambda_init=1.0, init="2025",
+    bigram_vocab_size=0, smear=False, skip_layers="", backout_layer=-1, resid_lambda_init=1.0, init="2025", embed_split_frac=0.0,
     attn_scale=0.12, yarn=False, logit_cap_height=0.0, logit_cap_shift=0.0, mtp=False, value_gates=False,
     key_offset=False, paired_head_layers="", token_windows=False, bf16_weights=False, fp8_scales="bounded",
     train_max_doc_len=0, train_seq_len_schedule="", num_iterations=1695, extension_steps=0, lr_plateaus="1",
