@@ -90,7 +90,7 @@ MODEL_FIELDS = ("vocab_size", "num_layers", "model_dim", "num_heads", "head_dim"
                 "window_growth_tokens", "window_schedule", "window_final_blocks", "extension_steps", "bf16_embeds",
                 "token_windows", "yarn", "value_gates", "key_offset", "paired_head_layers", "value_embed_layers",
                 "bigram_vocab_size", "smear", "skip_layers", "backout_layer", "resid_lambda_init", "init",
-                "logit_cap_height", "logit_cap_shift", "embed_split_frac", "fp8_scales", "bf16_weights", "train_seq_len", "train_seq_len_schedule", "val_seq_len", "num_iterations")
+                "logit_cap_height", "logit_cap_shift", "embed_split_frac", "adam_every", "fp8_scales", "bf16_weights", "train_seq_len", "train_seq_len_schedule", "val_seq_len", "num_iterations")
 
 
 def check_against_checkpoint(args, set_fields):

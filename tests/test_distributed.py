@@ -22,19 +22,25 @@ from harness import checkpoints as ckpt, config as cfg, launch as launcher
 from conftest import tiny_argv
 
 # 12 micro-batches per step divide by 1, 2, 3 and 4; vocab 50305 rows do not divide by 2, 3 or 4,
-# so the row-sharded Adam parameters need padding. Five blocks (one without attention) give 16
-# attention and 10 MLP matrices; in buckets of 5 (rounded up to a multiple of W) the last MLP
-# bucket is padded at W=3 and W=4, the last attention bucket at W=3 (at W=2 every count is even).
+# so the row-sharded Adam parameters (embedding, value embedding, head) need padding. Five blocks
+# (one without attention) give 16 attention and 10 MLP matrices; in buckets of 5 (rounded up to a
+# multiple of W) the last MLP bucket is padded at W=3 and W=4, the last attention bucket at W=3
+# (at W=2 every count is even). Six steps: Adam steps at 1, 3 and 5 (--adam_every 2), on two
+# steps' gradients; the embedding is the head's weights until step 3 (embed_split_frac 0.5 of the
+# 5 scheduled steps, on an Adam step) and a copy trained apart at step 5.
 # adam_eps=1.28e-4 (the speedrun uses 1e-10): Adam's update g/(|g|+eps) turns gradients of order
-# eps into steps of order lr, so with eps=1e-10 the few dozen embedding entries (of 1.6M) whose
-# gradient is within rounding noise of zero take opposite +-lr steps under different summation
-# orders. That is Adam's sensitivity, not the communication's; an eps of 1e-6 relative to the
-# mean loss's gradient bounds it (the loss is summed over the 128 tokens of a micro-batch).
+# eps into steps of order lr, so with eps=1e-10 the embedding entries whose gradient is within
+# rounding noise of zero take opposite +-lr steps under different summation orders (the value
+# embeddings' lr is 0.6). That is Adam's sensitivity, not the communication's; an eps of 1e-6
+# relative to the mean loss's gradient bounds it (the loss is summed over the 128 tokens of a micro-batch).
 # bf16_embeds=False: bf16 embeddings round every update to 3 significant digits, so a different
 # summation order moves them by a bf16 step; fp32 shows what the communication itself does.
-EQUIVALENCE = dict(micro_batches=12, num_iterations=5, val_every=0, vocab_size=50305, muon_bucket_matrices=5,
+# val_every=6: validations at step 0 and at the end (the train loss's multi-token weights change
+# by step, so only the validation loss shows it training).
+EQUIVALENCE = dict(micro_batches=12, num_iterations=6, val_every=6, vocab_size=50305, muon_bucket_matrices=5,
                    adam_eps=1.28e-4, bf16_embeds=False, num_layers=5, window_pattern="LSSSL",
-                   val_tokens=384, val_seq_len=128)
+                   value_embed_layers="0...0", embed_split_frac=0.5, val_tokens=384, val_seq_len=128)
+ADAM_STEPS, TIED_STEPS = {1, 3, 5}, {0, 1, 2, 3}  # of EQUIVALENCE's six
 
 
 def free_port():
@@ -94,6 +100,7 @@ def train_worker(rank, world_size, port, argv, out_path, overlap, compiled_adam=
             record["params"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
             record["param_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
             record["padding_bytes"] = optimizer.padding_bytes()
+            record["traffic_parts"] = traffic_parts(model, optimizer)
             record["muon_padding_matrices"] = sum(b.grad_stack.shape[0] - len(b.slots)
                                                   for g in optimizer.muon_groups for b in g["buckets"])
             record["state_bytes"] = optimizer.state_bytes()
@@ -126,6 +133,31 @@ def run_world(world_size, argv, tmp_path, overlap=True, compiled_adam=False):
     return torch.load(out)
 
 
+def traffic_parts(model, optimizer):
+    """(parameter bytes, padding bytes) of what Muon's buckets, Adam's units and, of Adam's, the
+    embedding's shard carry through their collectives."""
+    size = lambda t: t.numel() * t.element_size()  # noqa: E731
+    muon_padding = sum((b.padded - len(b.slots)) * size(b.grad_stack[0]) for g in optimizer.muon_groups
+                       for b in g["buckets"])
+    muon = sum(size(s.param) for s in optimizer.specs if s.optimizer == "muon")
+    embed = optimizer.embed_shard
+    return dict(muon=(muon, muon_padding),
+                adam=(sum(map(size, model.parameters())) - muon, optimizer.padding_bytes() - muon_padding),
+                embed=(size(embed.spec.param),
+                       (embed.padded_rows - embed.spec.param.shape[0]) * size(embed.spec.param[0])))
+
+
+def ring_bytes_per_step(run, world_size, steps, adam_steps, tied_steps):
+    """The ring lower bound of each step's traffic: 2(W-1)/W x the bytes of the parameters it
+    updates, plus the same for their padding: Muon's every step, Adam's on its steps, less the
+    embedding's while it is the head's weights (it has no gradient of its own)."""
+    parts = run["traffic_parts"]
+    ring = lambda nbytes: 2 * (world_size - 1) * nbytes // world_size  # noqa: E731
+    carried = lambda step, i: parts["muon"][i] + (step in adam_steps) * (  # noqa: E731
+        parts["adam"][i] - (step in tied_steps) * parts["embed"][i])
+    return [ring(carried(step, 0)) + ring(carried(step, 1)) for step in range(steps)]
+
+
 class NoCollectives(train_gpt.Collectives):
     """At world size 1 any collective is a bug."""
 
@@ -141,7 +173,7 @@ def equivalence_runs(tmp_path_factory):
     from shards import write_shard
     rng = np.random.default_rng(7)
     write_shard(tmp_path / "d_val_000000.bin", synthetic_documents(rng, 2_000))
-    write_shard(tmp_path / "d_train_000001.bin", synthetic_documents(rng, 30_000))
+    write_shard(tmp_path / "d_train_000001.bin", synthetic_documents(rng, 40_000))  # 72 packed chunks and more
     argv = tiny_argv(train_files=str(tmp_path / "d_train_*.bin"), val_files=str(tmp_path / "d_val_*.bin"),
                      **EQUIVALENCE)
     runs = {ws: run_world(ws, argv, tmp_path) for ws in (1, 2, 3, 4)}
@@ -158,28 +190,32 @@ def equivalence_runs(tmp_path_factory):
 # learning rate per step), and in Muon, whose orthogonalization lifts the smallest singular
 # directions of a nearly rank-deficient momentum (the first steps of q, k, v behind a zero-init
 # output projection) to full size, so rounding noise there becomes update direction. Measured
-# after 5 steps: up to 6.5e-4 on embeddings (lr 0.6) and 3.7e-4 on one attention weight (lr 0.05),
-# i.e. up to 1.5e-3 of the distance a parameter can move (steps x its learning rate); run in
-# fp64 the same comparison (W=2 vs W=3) differs by <4e-6 everywhere, so it is rounding. The test
-# allows 5e-3 of that distance. A bug moves parameters much further: one wrong embedding row
-# update is ~lr = 0.6 (tolerance 0.015), one wrong Muon step ~lr/sqrt(dim) = 0.009 per entry
-# (tolerance 0.00125), and a lost micro-batch or missed average also changes losses by >1e-3.
+# after 6 steps at W=2-4: up to 3.7e-6 on the tied embedding and head (lr 0.008) and 1.2e-6 on an
+# attention weight (lr 0.023), i.e. up to 2.1e-4 of the distance a parameter can move (its lr
+# summed over its steps); with adam_eps 1e-10, 1.1e-2 on the value embedding (8e-3 of its distance).
+# In fp64 the same comparison (W=2 vs W=3, on the 2025 architecture) differed by <4e-6 everywhere:
+# it is rounding. The test allows 5e-3 of that distance. A bug moves parameters much further: one
+# wrong embedding row update is ~lr = 0.008 (tolerance 9e-5), one wrong Muon step
+# ~lr/sqrt(dim) = 0.004 per entry (tolerance 6e-4), and a lost micro-batch or missed average also
+# changes losses by >1e-3.
 MOVEMENT_FRACTION = 5e-3
 LOSS_RTOL = 1e-5
 
 
 def movement_bounds(argv):
-    """name -> steps x learning rate of that parameter, from the trainer's own optimizer split."""
+    """name -> the distance that parameter can move: its learning rate summed over the steps that
+    update it (Adam's only on its steps), by the trainer's own optimizer split, lr rules and schedule."""
     args = cfg.parse_config(argv, {}, 1, False)
     model = train_gpt.GPT(args, train_gpt.Hardware.detect(args))
     bounds = {}
     for spec in train_gpt.param_specs(model, args):
         if spec.optimizer == "muon":
-            rows, cols = spec.param.shape[-2:]
-            lr = args.muon_lr * max(1.0, rows / cols) ** 0.5
+            lr = args.muon_lr * train_gpt.MatrixSlot(spec, None, False, args.muon_update_scale).lr_scale
+            steps = range(args.num_iterations)
         else:
             lr = args.adam_lr * spec.lr_mult
-        bounds[spec.name] = args.num_iterations * lr
+            steps = [step for step in range(args.num_iterations) if train_gpt.adam_steps_at(step, args)]
+        bounds[spec.name] = lr * sum(train_gpt.lr_factor_at(step, args) for step in steps)
     return bounds
 
 
@@ -187,7 +223,8 @@ def movement_bounds(argv):
 def test_world_sizes_train_the_same_model(equivalence_runs, world_size):
     single, multi = equivalence_runs[1], equivalence_runs[world_size]
     assert len(single["losses"]) == len(multi["losses"]) == EQUIVALENCE["num_iterations"]
-    assert single["losses"][-1] < single["losses"][0] - 0.2  # it is training, not idling
+    (_, before), (_, after) = single["val_losses"]
+    assert after < before - 0.2  # it is training, not idling (10.83 -> 10.28)
     for a, b in zip(single["losses"], multi["losses"]):
         assert b == pytest.approx(a, rel=LOSS_RTOL)
     bounds = movement_bounds(equivalence_runs["argv"])
@@ -208,7 +245,7 @@ def test_world_sizes_validate_to_the_same_loss(equivalence_runs, world_size):
     held = [len(range(r, windows, world_size)) for r in range(world_size)]
     assert held == {2: [2, 1], 3: [1, 1, 1], 4: [1, 1, 1, 0]}[world_size]
     single, multi = equivalence_runs[1]["val_losses"], equivalence_runs[world_size]["val_losses"]
-    assert [step for step, _ in multi] == [step for step, _ in single] == [EQUIVALENCE["num_iterations"]]
+    assert [step for step, _ in multi] == [step for step, _ in single] == [0, EQUIVALENCE["num_iterations"]]
     assert [loss for _, loss in multi] == pytest.approx([loss for _, loss in single], rel=LOSS_RTOL)
 
 
@@ -222,10 +259,11 @@ def test_overlap_changes_nothing(equivalence_runs):
 
 def test_compiled_adam_at_world_size_2(equivalence_runs):
     """compile_adam where the update takes each rank's rows (plain tensors, not the parameters):
-    its graphs are made at the first step and none after, and it trains the eager run's model."""
+    its graphs are made at the first Adam step (step 1) and none after (the split embedding's first
+    step at 5 included), and it trains the eager run's model."""
     eager, compiled = equivalence_runs[2], equivalence_runs["2_compiled_adam"]
     graphs = compiled["adam_graphs"]
-    assert graphs[0] > 0 and graphs == [graphs[0]] * EQUIVALENCE["num_iterations"]
+    assert graphs[0] == 0 and graphs[1] > 0 and graphs[1:] == [graphs[1]] * (EQUIVALENCE["num_iterations"] - 1)
     assert compiled["losses"] == pytest.approx(eager["losses"], rel=LOSS_RTOL)
     bounds = movement_bounds(equivalence_runs["argv"])
     for name, value in eager["params"].items():
@@ -245,15 +283,19 @@ def test_traffic_equals_the_ring_lower_bound(equivalence_runs, world_size):
     """Collectives counts what each call carries (payload) and the bytes a ring algorithm sends for
     it ((W-1)/W of the payload per reduce-scatter or all-gather, twice per all-reduce). So this
     checks that every parameter's bytes go through exactly one reduce-scatter and one all-gather
-    (or one all-reduce) per step, nothing more: the ring lower bound 2(W-1)/W x parameter bytes,
-    plus the same for the zero padding of stacks. It does not measure bytes on the wire."""
+    (or one all-reduce) on each step that updates it, nothing more: the ring lower bound 2(W-1)/W x
+    its bytes, plus the same for the zero padding of stacks; Muon's parameters every step, Adam's
+    on steps 1, 3 and 5 only (the embedding's on 5, once split from the head). It does not measure
+    bytes on the wire."""
     run = equivalence_runs[world_size]
     W = world_size
     per_step = [b - a for a, b in zip([0] + run["sent_bytes"], run["sent_bytes"])]
-    assert len(set(per_step)) == 1
+    steps = EQUIVALENCE["num_iterations"]
+    assert per_step == pytest.approx(ring_bytes_per_step(run, W, steps, ADAM_STEPS, TIED_STEPS), abs=64)
+    assert per_step[0] < per_step[1] < per_step[5]  # Muon alone; and Adam, tied; and Adam, the embedding too
     bound = 2 * (W - 1) * run["param_bytes"] // W
     padding = 2 * (W - 1) * run["padding_bytes"] // W
-    assert per_step[0] == pytest.approx(bound + padding, abs=64)
+    assert per_step[5] == pytest.approx(bound + padding, abs=64)  # every parameter, once
     assert run["padding_bytes"] > 0  # the uneven shapes were exercised
     assert (run["muon_padding_matrices"] > 0) == (W in (3, 4))
     assert padding < 0.05 * bound
@@ -280,11 +322,15 @@ def test_world_size_one_issues_no_collective(equivalence_runs):
     assert not dist.is_initialized()
 
 
-# The speedrun's layout at a CPU's width: 12 blocks, no attention in block 7, 3 value embeddings,
-# 8 micro-batches over 8 ranks, Muon buckets of 8 matrices (the 11 gates: a second bucket where 5
-# ranks own only padding; the 11 qkvo parameters' 44 matrices: 4 of padding in the sixth bucket).
-SPEEDRUN_LAYOUT = dict(EQUIVALENCE, micro_batches=8, num_iterations=2, num_layers=12, attention_free_layers="7",
-                       num_value_embeds=3, window_pattern="LSSSLSSLSSSL", muon_bucket_matrices=8, vocab_size=50304)
+# The speedrun's layout (its defaults) at a CPU's width: 11 blocks, no attention in block 6, 3 value embeddings
+# (into blocks 0-1 and 8-10), paired heads, the skip, backout, 8 micro-batches over 8 ranks, Muon
+# buckets of 8 matrices (the 10 qkvo parameters' 40 matrices fill 5 buckets; the 22 MLP matrices:
+# 2 of padding in the third bucket, where 2 ranks own only padding). Step 0 is Muon's alone, step
+# 1 Adam's too (the embedding still the head's weights).
+SPEEDRUN_LAYOUT = dict(EQUIVALENCE, micro_batches=8, num_iterations=2, **{
+    name: getattr(train_gpt.Hyperparameters, name) for name in (
+        "num_layers", "attention_free_layers", "num_value_embeds", "value_embed_layers", "paired_head_layers",
+        "skip_layers", "backout_layer", "window_pattern", "muon_bucket_matrices", "vocab_size")})
 
 
 @pytest.mark.slow
@@ -298,19 +344,19 @@ def test_eight_ranks_train_the_speedrun_layout_as_one_process_does(tmp_path):
     argv = tiny_argv(train_files=str(tmp_path / "d_train_*.bin"), val_files=str(tmp_path / "d_val_*.bin"),
                      **SPEEDRUN_LAYOUT)
     single, eight = run_world(1, argv, tmp_path), run_world(8, argv, tmp_path)
-    assert single["losses"][-1] < single["losses"][0] - 0.02  # it is training, not idling (2 steps: 10.83 -> 10.79)
+    (_, before), (_, after) = single["val_losses"]
+    assert after < before - 0.01  # it is training, not idling (2 steps: 10.820 -> 10.805)
     assert eight["losses"] == pytest.approx(single["losses"], rel=LOSS_RTOL)
+    assert [loss for _, loss in eight["val_losses"]] == pytest.approx([before, after], rel=LOSS_RTOL)
     bounds = movement_bounds(argv)
     assert set(bounds) == set(single["params"]) == set(eight["params"])
     for name, value in single["params"].items():
         torch.testing.assert_close(eight["params"][name], value, atol=MOVEMENT_FRACTION * bounds[name], rtol=0,
                                    msg=lambda m: f"{name}: {m}")
     assert max(eight["rank_spread"]) == 0.0
-    assert eight["muon_padding_matrices"] == 5 + 4  # gates 11 = 8 + 3 (+5); qkvo 44 = 5 x 8 + 4 (+4); MLP 24
-    per_step = eight["sent_bytes"][0]
-    assert eight["sent_bytes"] == [per_step * (i + 1) for i in range(SPEEDRUN_LAYOUT["num_iterations"])]
-    ring = 2 * 7 * (eight["param_bytes"] + eight["padding_bytes"]) // 8
-    assert per_step == pytest.approx(ring, abs=64)
+    assert eight["muon_padding_matrices"] == 2  # qkvo 40 = 5 x 8; MLP 22 = 2 x 8 + 6 (+2)
+    per_step = [b - a for a, b in zip([0] + eight["sent_bytes"], eight["sent_bytes"])]
+    assert per_step == pytest.approx(ring_bytes_per_step(eight, 8, 2, adam_steps={1}, tied_steps={0, 1}), abs=64)
     assert eight["state_bytes"] < 1.1 * single["state_bytes"] / 8 + 64 * 1024
 
 
