@@ -54,8 +54,8 @@ def test_keyboard_interrupt_without_signal_handlers_closes_the_loader(make_shard
     train_glob, val_glob, _ = make_shards()
     args = train_gpt.Hyperparameters(**dict(TINY, train_files=train_glob, val_files=val_glob, num_iterations=5))
     closed = []
-    close = train_gpt.TrainBatches.close
-    monkeypatch.setattr(train_gpt.TrainBatches, "close", lambda self: closed.append(self) or close(self))
+    close = train_gpt.PackedBatches.close  # TINY's loader (packed documents), as the preset's
+    monkeypatch.setattr(train_gpt.PackedBatches, "close", lambda self: closed.append(self) or close(self))
 
     def interrupt(step, model, optimizer):
         if step == 2:
@@ -113,23 +113,24 @@ def test_nonfinite_train_loss_is_found_before_a_validation_not_by_it(make_shards
 
 
 def test_a_diverged_model_never_replaces_the_last_checkpoint(tmp_path, make_shards, monkeypatch, capsys):
-    """The update of step 3 leaves the weights nan while its loss, taken before the update, is finite:
-    the checkpoint due after step 3 checks the weights, writes nothing, and step 2's stays."""
+    """The update of step 6 leaves the weights nan while its loss, taken before the update, is finite:
+    the checkpoint due after step 6 checks the weights, writes nothing, and step 4's stays
+    (checkpoints every 2 steps: a multiple of adam_every)."""
     train_glob, val_glob, _ = make_shards()
     log_dir = tmp_path / "records"
     lr_factor_at = train_gpt.lr_factor_at
-    monkeypatch.setattr(train_gpt, "lr_factor_at", lambda step, args: float("nan") if step >= 2
+    monkeypatch.setattr(train_gpt, "lr_factor_at", lambda step, args: float("nan") if step >= 5
                         else lr_factor_at(step, args))
     argv = tiny_argv(train_files=train_glob, val_files=val_glob, log_dir=log_dir, num_iterations=8, val_every=0,
-                     check_every=100, save_checkpoint=True, checkpoint_every=1)
+                     check_every=100, save_checkpoint=True, checkpoint_every=2)
     assert train_gpt.main(argv, {}) == train_gpt.EXIT_DIVERGED
     body = only_log(log_dir).splitlines()
-    assert body[-2] == "diverged at step 3/8: a weight is nan or inf (no checkpoint written)"
+    assert body[-2] == "diverged at step 6/8: a weight is nan or inf (no checkpoint written)"
     assert [line.split(" saved")[0] for line in body if line.startswith("checkpoint:")] == [
-        "checkpoint: step 1", "checkpoint: step 2"]
+        "checkpoint: step 2", "checkpoint: step 4"]
     (path,) = log_dir.glob("*/*.pt")
     checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    assert checkpoint["step"] == 2 and all(v.isfinite().all() for v in checkpoint["model"].values())
+    assert checkpoint["step"] == 4 and all(v.isfinite().all() for v in checkpoint["model"].values())
 
 
 def test_diverged_run_exits_4_with_one_line_and_a_complete_log(tmp_path, make_shards, monkeypatch, capsys):
@@ -223,7 +224,7 @@ def test_bad_shard_found_in_the_loop_is_a_data_error_not_a_crash(tmp_path, make_
     def unreadable(self, device, seq_len):
         calls.append(1)
         raise train_gpt.DataError("fineweb_train_000002.bin: cannot read (Input/output error)")
-    monkeypatch.setattr(train_gpt.TrainBatches, "next_batch", unreadable)
+    monkeypatch.setattr(train_gpt.PackedBatches, "next_batch", unreadable)
     argv = tiny_argv(train_files=train_glob, val_files=val_glob, log_dir=log_dir, num_iterations=20, val_every=0)
     assert train_gpt.main(argv, {}) == train_gpt.EXIT_ERROR and calls
     assert capsys.readouterr().err == "train_gpt.py: error: fineweb_train_000002.bin: cannot read (Input/output error)\n"
@@ -245,7 +246,7 @@ def test_bad_shard_found_by_one_rank_in_the_loop_is_named_by_that_rank(make_shar
         at_failure.append(len(collectives))
         raise train_gpt.DataError("fineweb_train_000002.bin: cannot read (Input/output error)")
     lines = []
-    monkeypatch.setattr(train_gpt.TrainBatches, "next_batch", unreadable)
+    monkeypatch.setattr(train_gpt.PackedBatches, "next_batch", unreadable)
     monkeypatch.setattr(train_gpt.dist, "all_reduce", lambda *a, **k: collectives.append(a))
     result = train_gpt.train(args, train_gpt.Ranks(1, 1, 2, 2), train_gpt.Hardware.detect(args),
                              lambda text, console=True: lines.append(text))
