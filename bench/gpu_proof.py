@@ -81,9 +81,13 @@ DEFAULT_PROFILE, SMOKE_PROFILE = "12:15", "1:2"
 DEFAULT_PEER = os.path.join("peers", "modded-nanogpt_9d9dc969_train_gpt.py")  # git-ignored copy
 PEER_VAL_TOKENS = 256 * 1024         # the peer reads validation in multiples of 256Ki at world size 1
 RUN_VAL_TOKENS = 256 * 1024          # ours: one validation window of val_seq_len at start and end
+# Every train and warm run: the record's last steps (40 past the schedules, 50 of momentum cooldown,
+# of 1600) change no step's cost, and a run of N steps (1 to warm) has room for neither.
+SHORT_RUN_ARGV = ["--extension_steps", "0", "--muon_momentum_cooldown_steps", "0"]
+SPEEDRUN_TRAINER_ARGV = ["--preset", "speedrun", *SHORT_RUN_ARGV]
 SMOKE_TRAINER_ARGV = ["--preset", "cpu", "--model_dim", "32", "--num_heads", "2", "--head_dim", "16",
-                      "--train_seq_len", "256", "--val_seq_len", "256", "--micro_batches", "2",
-                      "--warmup_steps", "1"]
+                      "--train_seq_len", "256", "--train_seq_len_schedule", "128,192,256", "--val_seq_len", "256",
+                      "--micro_batches", "2", "--warmup_steps", "1", *SHORT_RUN_ARGV]
 SMOKE_VAL_TOKENS = 512
 # Trainer fields every train run sets itself (a variant's flags come last and would override them)
 PROOF_SETS = {"preset", "num_iterations", "val_tokens", "val_every", "train_files", "val_files", "log_dir",
@@ -201,7 +205,7 @@ def parse_args(argv):
         memory = gpu_memory_gib()
         plan = lease_plan(opts.lease, memory, opts.total)
         opts.phases, opts.kernel_gpus = plan["phases"], plan.get("kernel_gpus")
-        opts.ns_methods, opts.variants = "newton_schulz", ""   # the preset as it is, once: the ratio first
+        opts.ns_methods, opts.variants = trainer_default_ns_method(), ""   # the preset as it is, once: the ratio first
         opts.total = opts.total or plan.get("total")
         opts.steps = opts.steps or LEASE_STEPS
         told = (f"the GPU has {memory:.0f} GiB" if memory else
@@ -332,7 +336,7 @@ def trainer_config_errors(flag_sets, cpu_smoke):
     """What train_gpt.py says of a train run's configuration with each set of flags (None: nothing),
     asked in one child process (torch is slow to load here), so that a bad value fails now, not
     after the main run has spent minutes of the GPU."""
-    base = SMOKE_TRAINER_ARGV if cpu_smoke else ["--preset", "speedrun"]
+    base = SMOKE_TRAINER_ARGV if cpu_smoke else SPEEDRUN_TRAINER_ARGV
     code = ("import json, sys, train_gpt\n"
             "said = []\n"
             "for flags in json.loads(sys.argv[1]):\n"
@@ -356,6 +360,12 @@ def cuda_visible():
     done = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.is_available())"],
                           capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
     return done.stdout.strip() == "True"
+
+
+def trainer_default_ns_method():
+    """The preset's ns_method, read from the trainer's source (no import: torch is slow to load)."""
+    match = re.search(r'^    ns_method: str = "(\w+)"', open(TRAINER).read(), re.M)
+    return match.group(1) if match else "polar_express"
 
 
 def trainer_ns_methods():
@@ -1136,7 +1146,8 @@ def check_compile(rec, tg, torch, cuda):
     layout = ["--preset", "speedrun"]
     if not cuda:   # the smoke run proves the code path on a 4-block layout (fewer graphs to trace)
         layout += ["--num_layers", "4", "--window_pattern", "LSSL", "--attention_free_layers", "2",
-                   "--num_value_embeds", "1"]
+                   "--num_value_embeds", "1", "--value_embed_layers", "0..0", "--paired_head_layers", "1",
+                   "--skip_layers", "1,3", "--backout_layer", "1"]
     # Small: the graphs do not depend on sizes, and torch._scaled_mm on a CPU can be a scalar loop
     # (17 ns per multiply-add on a Sapphire Rapids VM: 75 s per scope at 256 tokens of width 64).
     cpu_argv = layout + ["--device", "cpu", "--model_dim", "32", "--num_heads", "2", "--head_dim", "16",
@@ -1583,7 +1594,7 @@ def trainer_setup(rec, ctx, tg):
     """What the train and warm phases run ours with: the preset's flags (the smoke model's on
     CPU), its settings, the validation tokens and the timing data's file patterns (noted)."""
     smoke = ctx["cpu_smoke"]
-    base = SMOKE_TRAINER_ARGV if smoke else ["--preset", "speedrun"]
+    base = SMOKE_TRAINER_ARGV if smoke else SPEEDRUN_TRAINER_ARGV
     args = tg.harness("config").parse_config(base, {}, world_size=1, cuda_available=not smoke)
     val_tokens = SMOKE_VAL_TOKENS if smoke else RUN_VAL_TOKENS
     train_files, val_files, note = timing_data(ctx, args.train_seq_len, args.micro_batches, args.val_seq_len,
