@@ -112,7 +112,8 @@ class Hyperparameters:
     bf16_weights: bool = True           # gates and head bf16; Muon's fp32 matrices read truncated to bf16, its update bf16
     compile: bool = True                # torch.compile the model (--compile_scope: in how many graphs), the orthogonalizer
     compile_scope: str = "model"        # model: one graph, as the record; blocks: each block and the head alone
-    compile_adam: bool = False          # compile Adam's update: bf16 rounded where stored only (the record's is eager)
+    compile_adam: bool = False          # compile Adam's update, bf16 rounded where stored only, as the record (eager here
+                                    # until a GPU run checks it with every-other-step Adam)
     # optimization
     num_iterations: int = 1600          # training steps
     extension_steps: int = 40           # the last N of them run past the schedules: lr at final_lr_frac, final window
@@ -183,6 +184,7 @@ PRESETS = {
         skip_layers="1,2", backout_layer=2, paired_head_layers="0", window_pattern="SSSL", attn_block_size=64,
         window_schedule="1,3,5", window_final_blocks=6, window_validate_final_blocks=8, compile=False,
         bf16_weights=False, num_iterations=120, extension_steps=4, val_every=40, warmup_steps=2,
+        adam_lr=0.016,  # twice the record's: at this width 120 steps reach 5.67 where 0.008 reaches 5.87
         warmup_at_transitions=False, muon_momentum_warmup_steps=50, muon_momentum_cooldown_steps=4,
         dist_timeout_s=120, check_every=1,  # a host sync costs nothing on CPU, and steps are long
     ),
@@ -364,7 +366,7 @@ class Collectives:
 #
 # Each matrix of a stack becomes an approximation of its polar factor U V^T (G = U S V^T) by odd
 # quintic steps X <- a X + (b A + c A^2) X, A = X X^T, on the wide orientation (A is m x m, m <= n).
-# Methods: newton_schulz (the record's), polar_express, aol (Turbo-Muon, opt-in: AOL's row scaling
+# Methods: polar_express (the record's), newton_schulz (2025's), aol (Turbo-Muon, opt-in: AOL's row scaling
 # from the first Gram bounds ||X||_2 <= 1 without a Frobenius norm, saving a step, but converges to
 # the polar factor of diag(s) G). Every first step is "Gram, row scale s, iterate on diag(s) X".
 
@@ -690,8 +692,8 @@ def orthogonalize_triton(G: torch.Tensor, method: str = "newton_schulz", coeffs:
 # -----------------------------------------------------------------------------------------------
 # 5. Optimizers
 #
-# Muon trains the block matrices; Adam the embeddings, the head and the scalars. No DDP: in the
-# last micro-step's backward, hooks launch each communication unit once its gradients are final,
+# NorMuon trains the block matrices; Adam (on every adam_every-th step) the embeddings, the head, the
+# gates and the scalars. No DDP: in the last micro-step's backward, hooks launch each communication unit once its gradients are final,
 # in one order on every rank: a Muon bucket (same-shape matrices reduce-scattered whole, each rank
 # orthogonalizing its own, then all-gathered), a large Adam parameter (rows reduce-scattered) or the
 # small parameters (one all-reduce). Zero padding fills stacks to a multiple of the world size.
@@ -943,8 +945,8 @@ class ShardedMuonAdam:
             unit.work = self.comm.all_reduce_mean(unit.flat)
 
     def compile_adam(self, backend="inductor"):
-        """--compile_adam: one fused pass per tensor, bf16 rounded only where stored (the record's
-        Adam runs eagerly: dynamo breaks its graph at the collectives). One graph per kind of tensor."""
+        """--compile_adam: one fused pass per tensor, bf16 rounded only where stored (as the 2026
+        record's compiled step). One graph per kind of tensor."""
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         self.adam_update = torch.compile(adam_apply, dynamic=False, fullgraph=True, backend=backend)
 
@@ -1110,10 +1112,12 @@ def adam_apply(param, grad, exp_avg, exp_avg_sq, lr, scale, beta1, beta2, eps, d
 # -----------------------------------------------------------------------------------------------
 # 6. Model
 #
-# Each block: x = a*x + b*x0 (x0 the normed embedding), attention (except attention-free blocks)
-# and a ReLU^2 MLP on RMS-normed inputs; U-net skips from the first half to the second. Attention:
-# merged qkvo weights, QK-norm, half-truncated rotary, value embeddings, a sigmoid gate per head,
-# document-causal sliding-window masks.
+# Each block: x = a*x + b*x0 + c*bigram (x0 the smeared, normed embedding; bigram a hashed table of
+# token pairs), attention (except attention-free blocks) and a ReLU^2 MLP on RMS-normed inputs; one
+# gated skip, a backout before the head. Attention: merged qkvo weights scaled by two lambdas, QK-norm,
+# rotary with YaRN on half the dims, the key offset, gated value embeddings, paired heads on some
+# layers, a sigmoid gate per head, document-causal sliding-window masks. The head: FP8, a soft cap,
+# the multi-token loss.
 
 def rms_norm(x):
     return F.rms_norm(x, (x.size(-1),))
@@ -1432,7 +1436,8 @@ class MLP(nn.Module):
         if backend == "triton":
             register_mlp_ops()
         bound = 3 ** 0.5 * 0.5 * dim ** -0.5
-        # both stored (dim, hidden), as in the record: one Muon stack, lr factor 1
+        # both stored (dim, hidden): one Muon stack (the record's (hidden, dim), transposed; --muon_update_scale
+        # aspect gives both its factor 2)
         self.fc_w = nn.Parameter(torch.empty(dim, hidden).uniform_(-bound, bound))
         self.proj_w = nn.Parameter(torch.zeros(dim, hidden))
 
@@ -1465,9 +1470,9 @@ class Block(nn.Module):
 
 
 # --- FP8 head --------------------------------------------------------------------------------
-# The head's matmul in float8 (e4m3 operands, e5m2 gradient) with static scales that cannot
-# overflow: RMS-normed inputs |x_i| <= sqrt(dim), weights below 448 * 2^-9, logit gradients of
-# the summed loss at most 1. A custom op, opaque to torch.compile as in the record; on CUDA each
+# The head's matmul in float8 (e4m3 operands, e5m2 gradient) with static scales: the record's (2026),
+# or (bounded) scales that cannot overflow: RMS-normed inputs |x_i| <= sqrt(dim), weights below
+# 448 * 2^-9, logit gradients of the summed loss at most 1. A custom op, opaque to torch.compile as in the record; on CUDA each
 # body is compiled whole (the gradient's scaling, rounding and transpose in one pass).
 
 def fp8_head_scales(model_dim, kind="bounded"):  # (x_scale, w_scale, grad_scale): what the operands are divided by
@@ -1795,11 +1800,11 @@ def param_specs(model, args):
 # -----------------------------------------------------------------------------------------------
 # 7. Data
 #
-# Shards: a 256 x int32 header (magic, version, token count), then uint16 tokens. A micro-batch is
-# a window of seq_len+1 tokens from a BOS; the next starts at the first BOS after the previous
-# one's inputs. As in the record, a step's windows come from one shard (a step moves to the next
-# when 2 x windows x seq_len + 1 tokens are not left). Windows are numbered globally and rank r
-# takes r, r+W, ...: every world size sees the record's token stream. A thread reads ahead.
+# Shards: a 256 x int32 header (magic, version, token count), then uint16 tokens. A micro-batch packs
+# documents from successive BOS tokens, each cut at train_max_doc_len, into exactly seq_len+1 tokens
+# (PackedBatches; 2025: a window of seq_len+1 tokens from a BOS, TrainBatches). Micro-batches are
+# numbered globally and rank r takes r, r+W, ...: every world size sees the record's token stream,
+# and a step's micro-batches come from one shard. A thread reads the next shard ahead.
 
 SHARD_MAGIC, SHARD_VERSION, SHARD_HEADER_INTS = 20240520, 1, 256
 SHARD_HEADER_BYTES = SHARD_HEADER_INTS * 4
@@ -2077,7 +2082,8 @@ def resolve_data_files(args):
 # -----------------------------------------------------------------------------------------------
 # 8. Training
 #
-# Set-up, untimed warmup steps on random tokens that compile every kernel, a reset to the initial
+# Set-up, untimed warmup steps on random tokens that compile every graph (the record's: steps 0-2 and
+# those around each window change, each with a validation pass), a reset to the initial
 # state, then the timed steps (the clock stops for validation). The log keeps the public speedrun's
 # line formats. A non-finite loss, a rising val loss, a stop signal or a failed log write stops the
 # run at the next check (every check_every steps and before validations, by all ranks together).

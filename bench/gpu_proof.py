@@ -22,19 +22,22 @@ writes DIR/report.md (tables to read) and DIR/report.json (the same figures). Ph
            1 and at 8 GPUs), every ns_method on the Triton and on the torch.compile'd torch
            backend, and the ratio to compiled torch Newton-Schulz; then FlexAttention against varlen_attn,
            forward and backward at the 2026 record's shapes (--kernel-parts: which, in which order)
-  warm     (only when named) ours and the peer compiled, one step each, untimed (at once where the
-           GPU's memory holds both), so that the train and peer phases after it, in this command or
-           the next on the same machine, start from warm compilation caches; the autotuning
-           choices these runs saved are removed
-  train    train_gpt.py, speedrun preset, 1 GPU (its micro-batches accumulated), N steps on a
-           timing dataset written here: start-up seconds, steady ms/step over steps 20..N, peak
+  warm     (only when named) ours and the peer compiled, untimed, each the run its phase times,
+           stopped at its first timed step (at once where the GPU's memory holds both), so that the
+           train and peer phases after it, in this command or the next on the same machine, start
+           from warm compilation caches; the autotuning choices these runs saved are removed
+  train    train_gpt.py, speedrun preset, 1 GPU (its micro-batches accumulated), N steps (the last E
+           of them the extension: --extension-steps) on a timing dataset written here: start-up
+           seconds, steady ms/step over steps 20..N and per stage of the schedules, peak
            memory, val loss at the start and the end, recompiles and graph breaks, and a profile
            of a few steps before the steady window (--profile: device time per kernel family,
            host syncs); then the same figures for each variant (--variants: by default
            --compile_scope blocks) and each other ns_method
-  peer     the public record script (--peer PATH) on the same data for the same N steps, with only
-           num_iterations and val_tokens changed on a copy, profiled over the same steps; the
-           ratio ours / peer, and both profiles side by side
+  peer     the public record script (--peer PATH; default the 2026-01-19 record in peers/) on the
+           same data for the same N steps and schedule, on a copy with the listed edits only (its
+           schedule lengths, validation tokens and cadence; FA3 from the hub -> torch's
+           varlen_attn), profiled over the same steps; the ratios ours / peer, per stage too, the
+           val losses of both, and both profiles side by side
 
 Each phase runs in its own process with its own time budget (--budget PHASE=SECONDS): a phase that
 fails, crashes or runs out of time records its traceback or log tail in the report and the others
@@ -47,12 +50,14 @@ commands (say, one per phase group on the GPU machine) into one report. Without 
 import argparse
 import datetime
 import hashlib
+import itertools
 import json
 import math
 import os
 import platform
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -71,27 +76,33 @@ CPU_PHASES = ("env",)                # what runs without a GPU (it records that 
 BUDGET_S = {"env": 40, "correct": 250, "kernels": 240, "warm": 540, "train": 530, "peer": 530}
 SMOKE_BUDGET_S = {"env": 60, "correct": 120, "kernels": 120, "warm": 120, "train": 180, "peer": 60}
 # The warm phase runs ours and the peer at once only where both fit in the GPU's memory: on an
-# H100 their peaks (33,480 and 47,700 MiB reserved) add up to more than its 79 GiB.
+# H100 the 2025 runs' peaks (33,480 and 47,700 MiB reserved) added up to more than its 79 GiB; the
+# 2026 runs' are unknown (each validation pass makes 256Ki x 50304 logits: 26 GiB in bf16).
 WARM_TOGETHER_MIN_GIB = 100
-STEADY_FROM = 20                     # steady ms/step is measured over steps STEADY_FROM..N
+STEADY_FROM = 20                     # steady ms/step is measured over steps STEADY_FROM..N (per stage: from here on)
 SMOKE_STEADY_FROM = 3                # (tiny CPU runs: steps 3..N)
 # Profiled steps A+1..B of the main and peer runs: past warmup and the first compilations, and over
 # before the steady window (the trace is written during step B+1, on the clock).
 DEFAULT_PROFILE, SMOKE_PROFILE = "12:15", "1:2"
-DEFAULT_PEER = os.path.join("peers", "modded-nanogpt_9d9dc969_train_gpt.py")  # git-ignored copy
-PEER_VAL_TOKENS = 256 * 1024         # the peer reads validation in multiples of 256Ki at world size 1
-RUN_VAL_TOKENS = 256 * 1024          # ours: one validation window of val_seq_len at start and end
-# Every train and warm run: the record's last steps (40 past the schedules, 50 of momentum cooldown,
-# of 1600) change no step's cost, and a run of N steps (1 to warm) has room for neither.
-SHORT_RUN_ARGV = ["--extension_steps", "0", "--muon_momentum_cooldown_steps", "0"]
-SPEEDRUN_TRAINER_ARGV = ["--preset", "speedrun", *SHORT_RUN_ARGV]
+# The 2026-01-19 record (train_gpt.py, with the triton_kernels.py it imports beside it), copied from
+# ../shared/peers into the git-ignored peers/ so that it travels to a GPU machine with the working tree.
+PEER_SOURCE = "modded-nanogpt_93f0e6b9"
+DEFAULT_PEER = os.path.join("peers", PEER_SOURCE, "train_gpt.py")
+PEER_SIBLINGS = ("triton_kernels.py",)   # files a 2026 peer imports from its own folder
+# Validation tokens of the peer: the 2026 record reads them in multiples of its val_batch_size (2Mi:
+# 8 micro-batches of 256Ki at world size 1), the 2025 record's (--peer PATH) in multiples of 256Ki.
+PEER_VAL_TOKENS = {"2026": 2 * 1024 * 1024, "2025": 256 * 1024}
+RUN_VAL_TOKENS = 2 * 1024 * 1024     # ours: the 2026 peer's validation tokens, so both losses are on the same ones
+DEFAULT_STEPS = 96                   # main and peer runs: 84 scheduled steps (three stages of 28) and 12 extension
+STAGE_PARTS = 3                      # ours and the record's batch and window schedules: equal thirds of the scheduled steps
+STAGE_SKIP = 4                       # per-stage steady ms/step leaves out each stage's first 4 steps (size changes)
 SMOKE_TRAINER_ARGV = ["--preset", "cpu", "--model_dim", "32", "--num_heads", "2", "--head_dim", "16",
                       "--train_seq_len", "256", "--train_seq_len_schedule", "128,192,256", "--val_seq_len", "256",
-                      "--micro_batches", "2", "--warmup_steps", "1", *SHORT_RUN_ARGV]
+                      "--micro_batches", "2", "--warmup_steps", "1"]
 SMOKE_VAL_TOKENS = 512
 # Trainer fields every train run sets itself (a variant's flags come last and would override them)
-PROOF_SETS = {"preset", "num_iterations", "val_tokens", "val_every", "train_files", "val_files", "log_dir",
-              "run_name", "ns_method"}
+PROOF_SETS = {"preset", "num_iterations", "extension_steps", "val_tokens", "val_every", "train_files", "val_files",
+              "log_dir", "run_name", "ns_method"}
 DEFAULT_VARIANTS = "--compile_scope blocks"   # the departure the main run (the record's whole-model compile) lacks
 # --total: what a phase may take is cut to what is left of the command's time less this margin. A
 # worker ends on its own budget (5 s under it); the margin covers the report and, where a worker
@@ -99,26 +110,37 @@ DEFAULT_VARIANTS = "--compile_scope blocks"   # the departure the main run (the 
 TOTAL_MARGIN_S = 25
 MIN_PHASE_S = 30                     # with less left than this (or than its budget), a phase is skipped
 # This project's GPU lease: 15 minutes of device time, a machine that takes 0.5 to 2 minutes to
-# start and goes back after 30 s idle, commands of at most 10 minutes: two calls, back to back,
-# 40 steps each run (the ratio is taken over the steps both runs reached: 20..40 where neither is
-# cut). Which two depends on the GPU, told by its memory (nvidia-smi, else torch in a child process:
-# never a CUDA context in this one; unknown, the H100 plan).
-# An H100 (80 GiB) started the record script in 412 s (its 60-step phase took 466 s) and ours in
-# 243-256 s before the orthogonalizer was compiled (about 35 s more since, by the H200): the
-# record first, in the call that can run longest, then ours with what is left, if that is at
-# least OURS_MIN_S for its phase, else the correctness checks and one GPU's kernel stacks. On an
-# H200 (141 GiB) the record's cold start-up outlasted 485 s: the first call compiles both at once
-# (warm) and the second times both from warm caches, the record first (on 2026-11-27 the two
-# took 91 and 89 s, with 252 s of the lease left). Both second calls end with the correctness
-# checks, in whatever time is left (a phase with under MIN_PHASE_S is skipped).
-OURS_MIN_S = 300
-LEASE_STEPS = 40
+# start (30-33 s twice) and goes back after 30 s idle, commands of at most 10 minutes: two calls,
+# back to back, each main and peer run LEASE_STEPS steps (84 scheduled in three stages of 28, then
+# 12 extension), ours with the record's attention (varlen_attn). Which two calls depends on the
+# GPU, told by its memory (nvidia-smi, else torch in a child process: never a CUDA context in this
+# one; unknown, the H100 plan). Assumed, as no GPU has run the 2026 code yet: cold start-ups on one
+# GPU of 7-8 minutes for the record (its log: "~7 minutes on first execution", on 8 GPUs; its
+# 2025 predecessor took 412 s on an H100 and more than 485 s on an H200) and 5-6 for ours (the
+# 2025 preset took 225-290 s; the 2026 one compiles a graph per window size, as the record);
+# 40-90 s from warm caches (38.5 and 39.8 s in 2025); 96 steps in about 50 s (8 micro-batches a
+# step: 8 x the record's mean 61.5 ms on 8 H100s); and about 40 s more a run at its end for the
+# last validation (its window of 20 blocks compiles then, warm or cold, as neither warmup has it).
+# On an H200 (141 GiB) the first call compiles both at once (warm; the record's start-up is the
+# critical path) and stops each at its first timed step; the second (T = about 900 - 33 - 470 -
+# 20 - 45 = 330 s) times both from warm caches, the record first with at most LEASE_PEER_SHARE of
+# the time, then ours with the rest: each needs 130-180 s, so the second run may be cut in its
+# extension, and the ratios are taken over the steps both reached, stage by stage. On an H100 the
+# two cannot run at once (each run's peak is unknown, over 26 GiB for the validation logits alone)
+# nor one after the other: the record, cold, goes in the call that can run longest, and ours
+# follows only if the second call leaves its phase OURS_MIN_S (it will not, with T of about 280),
+# else the correctness checks and one GPU's kernel stacks. Both second calls end with the
+# correctness checks, in whatever time is left (a phase with under MIN_PHASE_S is skipped).
+OURS_MIN_S = 420
+LEASE_STEPS = DEFAULT_STEPS
+LEASE_MAIN_FLAGS = "--attn_backend varlen"   # the record's attention call (its FA3 swapped for varlen_attn)
+LEASE_PEER_SHARE = 0.5
 LEASE_PLANS = {
     "one at a time": {1: dict(phases="env,peer", total=570),
                       2: dict(phases="env,train,correct"),
                       "short": dict(phases="env,kernels,correct", kernel_gpus="1")},
     "together": {1: dict(phases="env,warm", total=570),
-                 2: dict(phases="env,peer,train,correct")},
+                 2: dict(phases="env,peer,train,correct", peer_share=LEASE_PEER_SHARE)},
 }
 KERNEL_PARTS = ("muon", "attention")   # what the kernels phase times, in this order by default (--kernel-parts)
 ORTHO_MIN_ROWS = 384                 # rows per kernel and orthogonalize check on a GPU (see phase_correct)
@@ -138,8 +160,11 @@ def parse_args(argv):
     p.add_argument("--out", help="folder for report.md, report.json, data and logs (must not hold a report yet)")
     p.add_argument("--phases", default=None,
                    help=f"comma-separated subset of {','.join(PHASES)} (default {','.join(DEFAULT_PHASES)})")
-    p.add_argument("--steps", type=int, default=None, help="training steps of the main and peer runs (default 60; "
-                   "4 with --cpu-smoke)")
+    p.add_argument("--steps", type=int, default=None, help=f"training steps of the main and peer runs (default "
+                   f"{DEFAULT_STEPS}; 4 with --cpu-smoke)")
+    p.add_argument("--extension-steps", type=int, default=None, metavar="E",
+                   help="the last E of --steps run past the schedules, in ours (--extension_steps) and in the peer "
+                        "(num_extension_iterations; the rest are its num_scheduled_iterations) (default steps // 8)")
     p.add_argument("--variant-steps", type=int, default=None,
                    help="training steps of the runs of the other ns_methods (default min(steps, 30))")
     p.add_argument("--ns-methods", default=None,
@@ -154,7 +179,8 @@ def parse_args(argv):
                    help=f"profile steps A+1..B of the main train run and of the peer run with bench/profile_step.py "
                         f"(default {DEFAULT_PROFILE}; {SMOKE_PROFILE} with --cpu-smoke; 'none': no profile); B must "
                         "come before the steady window")
-    p.add_argument("--peer", default=None, help=f"the public record script (default {DEFAULT_PEER} when it exists)")
+    p.add_argument("--peer", default=None, help=f"the public record script (default {DEFAULT_PEER} when it exists: "
+                   "the 2026-01-19 record; the 2025-08-23 one's single file works too)")
     p.add_argument("--peer-replace", nargs=2, action="append", default=[], metavar=("OLD", "NEW"),
                    help="one more exact edit of the peer copy (OLD must occur once); listed in the report")
     p.add_argument("--budget", action="append", default=[], metavar="PHASE=SECONDS",
@@ -205,9 +231,12 @@ def parse_args(argv):
         memory = gpu_memory_gib()
         plan = lease_plan(opts.lease, memory, opts.total)
         opts.phases, opts.kernel_gpus = plan["phases"], plan.get("kernel_gpus")
-        opts.ns_methods, opts.variants = trainer_default_ns_method(), ""   # the preset as it is, once: the ratio first
+        # the preset as it is, once, with the record's attention: the comparison first (flex: a later lease)
+        opts.ns_methods, opts.variants = trainer_default("ns_method"), ""
+        opts.main_flags = opts.main_flags or LEASE_MAIN_FLAGS
         opts.total = opts.total or plan.get("total")
         opts.steps = opts.steps or LEASE_STEPS
+        lease_peer_share = plan.get("peer_share")
         told = (f"the GPU has {memory:.0f} GiB" if memory else
                 "the GPU's memory is unknown (nvidia-smi and torch did not say)")
         print(f"[gpu_proof] --lease {opts.lease}: {told}: phases {opts.phases}, "
@@ -222,7 +251,11 @@ def parse_args(argv):
     opts.phases = list(dict.fromkeys(phases))   # in the order given: a short lease runs the one it lacks first
     opts.steady_from = SMOKE_STEADY_FROM if opts.cpu_smoke else STEADY_FROM
     if opts.steps is None:
-        opts.steps = 4 if opts.cpu_smoke else 60
+        opts.steps = 4 if opts.cpu_smoke else DEFAULT_STEPS
+    if opts.extension_steps is None:
+        opts.extension_steps = opts.steps // 8
+    if not 0 <= opts.extension_steps < opts.steps:
+        p.error(f"--extension-steps={opts.extension_steps}: expected 0 <= E < --steps={opts.steps}")
     if opts.variant_steps is None:
         opts.variant_steps = 4 if opts.cpu_smoke else min(opts.steps, 30)
     for name, value in (("--steps", opts.steps), ("--variant-steps", opts.variant_steps)):
@@ -245,6 +278,8 @@ def parse_args(argv):
         if name not in PHASES or not value.replace(".", "", 1).isdigit() or float(value) <= 0:
             p.error(f"--budget={item!r}: expected PHASE=SECONDS with PHASE one of {','.join(PHASES)}")
         budgets[name] = float(value)
+    if opts.lease is not None and lease_peer_share:   # the peer first, leaving ours its share
+        budgets["peer"] = min(budgets["peer"], lease_peer_share * (opts.total - TOTAL_MARGIN_S - 10))
     opts.budgets = budgets
     gpu_phases = [x for x in opts.phases if x not in CPU_PHASES]
     # Each GPU phase would otherwise spend its whole budget failing, minutes in all.
@@ -296,9 +331,15 @@ def parse_args(argv):
     needs_peer = [x for x in ("warm", "peer") if x in opts.phases]
     if needs_peer and opts.peer is None and not opts.cpu_smoke:
         p.error(f"--phases includes {needs_peer[0]} but no peer script was given and {DEFAULT_PEER} does not exist: copy "
-                "../shared/peers/modded-nanogpt_9d9dc969_train_gpt.py there or pass --peer PATH")
+                f"the record's folder there (mkdir -p peers && cp -r ../shared/peers/{PEER_SOURCE} peers/) or pass "
+                "--peer PATH")
     if opts.peer:
         opts.peer = os.path.abspath(opts.peer)
+        missing = [name for name in PEER_SIBLINGS if peer_kind(opts.peer) == "2026"
+                   and not os.path.isfile(os.path.join(os.path.dirname(opts.peer), name))]
+        if missing:
+            p.error(f"--peer={opts.peer}: {missing[0]} must sit beside it (the script imports it); copy the record's "
+                    "whole folder")
     if os.path.exists(os.path.join(opts.out, "report.json")):
         p.error(f"--out={opts.out}: {os.path.join(opts.out, 'report.json')} exists; choose a new folder")
     parent = os.path.abspath(opts.out)
@@ -336,7 +377,7 @@ def trainer_config_errors(flag_sets, cpu_smoke):
     """What train_gpt.py says of a train run's configuration with each set of flags (None: nothing),
     asked in one child process (torch is slow to load here), so that a bad value fails now, not
     after the main run has spent minutes of the GPU."""
-    base = SMOKE_TRAINER_ARGV if cpu_smoke else SPEEDRUN_TRAINER_ARGV
+    base = SMOKE_TRAINER_ARGV if cpu_smoke else ["--preset", "speedrun"]
     code = ("import json, sys, train_gpt\n"
             "said = []\n"
             "for flags in json.loads(sys.argv[1]):\n"
@@ -362,10 +403,10 @@ def cuda_visible():
     return done.stdout.strip() == "True"
 
 
-def trainer_default_ns_method():
-    """The preset's ns_method, read from the trainer's source (no import: torch is slow to load)."""
-    match = re.search(r'^    ns_method: str = "(\w+)"', open(TRAINER).read(), re.M)
-    return match.group(1) if match else "polar_express"
+def trainer_default(name):
+    """A field's default in the trainer's Hyperparameters, read from its source (a string field)."""
+    fields = open(TRAINER).read().partition("class Hyperparameters:")[2].partition("\n\n\n")[0]
+    return re.search(rf'^    {name}: str = "([^"]*)"', fields, re.M)[1]
 
 
 def trainer_ns_methods():
@@ -389,7 +430,8 @@ def lease_plan(call, memory_gib, total):
 def run_proof(opts):
     out = os.path.abspath(opts.out)
     os.makedirs(os.path.join(out, "phases"), exist_ok=True)
-    settings = dict(steps=opts.steps, variant_steps=opts.variant_steps, steady_from=opts.steady_from,
+    settings = dict(steps=opts.steps, extension_steps=opts.extension_steps, variant_steps=opts.variant_steps,
+                    steady_from=opts.steady_from,
                     ns_methods=opts.ns_methods, main_flags=opts.main_flags, variants=opts.variants, peer=opts.peer,
                     peer_replace=opts.peer_replace, cpu_smoke=opts.cpu_smoke, budgets=opts.budgets,
                     profile=opts.profile, kernel_gpus=opts.kernel_gpus, kernel_parts=opts.kernel_parts)
@@ -1376,31 +1418,74 @@ def repeat_documents(docs, count):
     return np.concatenate(docs * reps)[:count]
 
 
-def timing_data(ctx, seq_len, micro_batches, val_seq_len, val_tokens, steps):
+def run_schedules(ctx):
+    """(steps, extension steps) of every run the phases start: the main and peer runs', then the
+    variants' (which take steps // 8 for their extension, as --extension-steps by default)."""
+    main = (ctx["steps"], ctx["extension_steps"])
+    variant = (ctx["variant_steps"], ctx["extension_steps"] if ctx["variant_steps"] == ctx["steps"]
+               else ctx["variant_steps"] // 8)
+    return list(dict.fromkeys([main, variant]))
+
+
+def packed_positions(doc_lengths, seq_lens, max_doc_len):
+    """Shard tokens passed over, from its start, by a loader of packed documents (the 2026 record's
+    BOSFinder, our PackedBatches: the same rule) filling one micro-batch of seq_len + 1 tokens per
+    entry of seq_lens: each document from its BOS, cut at max_doc_len (the rest skipped), the last
+    one cut to fit. doc_lengths repeat, as the timing shard's documents do."""
+    docs, passed = itertools.cycle(doc_lengths), 0
+    for seq_len in seq_lens:
+        filled = 0
+        while filled <= seq_len:
+            length = next(docs)
+            filled += min(length, max_doc_len, seq_len + 1 - filled)
+            passed += length
+    return passed
+
+
+def timing_data(ctx, tg, args, val_tokens):
     """DIR/data/fineweb10B/fineweb_{train,val}_*.bin in the standard shard format: the sample's
-    documents repeated to the size both trainers need (reused when already there and big enough).
-    The peer needs 8 x 2 x seq_len tokens of buffer ahead of every step and, at world size 1, a
-    validation shard holding more than 8 x val_seq_len + val_tokens tokens."""
+    documents repeated to the size every run needs (reused when already there and big enough).
+    Neither loader goes past its shard's end (ours stops the run, the record's fails), so the train
+    shard holds what packing the documents takes for every run's schedule of micro-batch sizes, at
+    world size 1 (8 micro-batches a step), and for the record's warmup (its steps around each
+    window change, from the shard's start again); validation, val_tokens and one validation
+    micro-batch per warmup step (the record's, from one loader). A 2025 peer (--peer), and ours
+    without packing, read windows from a BOS, 8 x 2 x seq_len tokens of buffer ahead of every step:
+    then that is the bound."""
+    import dataclasses
     sys.path.insert(0, REPO_ROOT)
     from data.shards import read_header, write_shard
     folder = os.path.join(ctx["out"], "data", "fineweb10B")
     os.makedirs(folder, exist_ok=True)
-    # A window of either loader ends at a document start: up to a document more than seq_len.
-    need = {"train": (steps + 2) * micro_batches * (2 * seq_len + 4096) + seq_len,
-            "val": max(8 * val_seq_len, val_tokens) + val_tokens + 65536}
+    docs = sample_documents()
+    lengths = [len(d) for d in docs["train"]]
+    train_need, warmup_steps = 0, 1
+    for steps, extension in run_schedules(ctx):
+        run = dataclasses.replace(args, num_iterations=steps, extension_steps=extension)
+        warmup = tg.warmup_steps_at_transitions(run) if args.warmup_at_transitions else []
+        warmup_steps = max(warmup_steps, len(warmup) + 1)
+        for schedule in (range(steps), warmup):
+            seq_lens = [tg.train_seq_len_at(step, run) for step in schedule for _ in range(args.micro_batches)]
+            train_need = max(train_need, packed_positions(lengths, seq_lens, args.train_max_doc_len or args.train_seq_len))
+    margin = 65536   # a document or more past the last one read
+    need = {"train": train_need + margin,
+            "val": max(warmup_steps, 8) * args.val_seq_len + val_tokens + margin}
+    if not args.train_max_doc_len or ctx.get("peer") and peer_kind(ctx["peer"]) == "2025":
+        longest = max(steps for steps, _ in run_schedules(ctx))
+        need["train"] = max(need["train"], (longest + 2) * args.micro_batches * (2 * args.train_seq_len + 4096)
+                            + args.train_seq_len)
     paths = {"train": os.path.join(folder, "fineweb_train_000001.bin"),
              "val": os.path.join(folder, "fineweb_val_000000.bin")}
-    docs = None
     for split, path in paths.items():
         if os.path.exists(path) and read_header(path) >= need[split]:
             continue
-        docs = docs or sample_documents()
         write_shard(path, repeat_documents(docs[split], need[split]))
     counts = {split: read_header(path) for split, path in paths.items()}
-    note = (f"timing data: data/sample's CPython-documentation documents (train: 915 documents, mean length "
-            f"1268 tokens; val: 338 documents) repeated in order to {counts['train']:,} train and "
-            f"{counts['val']:,} val tokens in the standard shard format, written to {folder}. Not FineWeb: "
-            "the val losses show training works, not how well it generalizes (the data repeats).")
+    note = (f"timing data: data/sample's CPython-documentation documents (train: {len(lengths)} documents, mean "
+            f"length {sum(lengths) / len(lengths):.0f} tokens; val: {len(docs['val'])} documents) repeated in order "
+            f"to {counts['train']:,} train and {counts['val']:,} val tokens in the standard shard format, written "
+            f"to {folder}: what the longest schedule packs at world size 1 ({train_need:,} tokens passed over) and "
+            "more. Not FineWeb: the val losses show training works, not how well it generalizes (the data repeats).")
     return os.path.join(folder, "fineweb_train_*.bin"), os.path.join(folder, "fineweb_val_*.bin"), note
 
 
@@ -1412,14 +1497,15 @@ VAL_RE = re.compile(r"^step:(\d+)/(\d+) val_loss:(\S+) train_time:(\d+(?:\.\d+)?
 MEM_RE = re.compile(r"^peak memory allocated: (\d+) MiB reserved: (\d+) MiB")
 
 
-def parse_run_log(text, steady_from=STEADY_FROM):
-    """Figures from a log in the speedrun's line format (ours and the public record's)."""
-    steps, vals, memory = {}, {}, None
+def parse_run_log(text, steady_from=STEADY_FROM, extension=None):
+    """Figures from a log in the speedrun's line format (ours and the public record's); with
+    extension (the run's extension steps), its steady ms/step stage by stage too (run_stages)."""
+    steps, vals, memory, total = {}, {}, None, None
     lines = text.splitlines()
     separators = [i for i, line in enumerate(lines) if line == "=" * 100]
     for line in lines[separators[-1] + 1 if separators else 0:]:   # the output, after the header
         if m := STEP_RE.match(line):
-            steps[int(m.group(1))] = float(m.group(3))
+            steps[int(m.group(1))], total = float(m.group(3)), int(m.group(2))
         elif m := VAL_RE.match(line):
             vals[int(m.group(1))] = float(m.group(3))
         elif m := MEM_RE.match(line):
@@ -1428,18 +1514,48 @@ def parse_run_log(text, steady_from=STEADY_FROM):
     steady = None
     if last > steady_from and steady_from in steps:
         steady = (steps[last] - steps[steady_from]) / (last - steady_from)
-    return dict(steps_done=last, steady_ms=steady, first_step_ms=steps.get(1), steady_from=steady_from,
-                train_time_ms=[[step, ms] for step, ms in sorted(steps.items()) if step >= steady_from],
-                peak_allocated_mib=memory[0] if memory else None, peak_reserved_mib=memory[1] if memory else None,
-                val_loss_start=vals.get(0), val_loss_end=vals[max(vals)] if vals and max(vals) > 0 else None,
-                val_end_step=max(vals) if vals and max(vals) > 0 else None)   # (a run cut short: no end)
+    figures = dict(steps_done=last, steady_ms=steady, first_step_ms=steps.get(1), steady_from=steady_from,
+                   train_time_ms=[[step, ms] for step, ms in sorted(steps.items())],
+                   peak_allocated_mib=memory[0] if memory else None, peak_reserved_mib=memory[1] if memory else None,
+                   val_loss_start=vals.get(0), val_loss_end=vals[max(vals)] if vals and max(vals) > 0 else None,
+                   val_end_step=max(vals) if vals and max(vals) > 0 else None)   # (a run cut short: no end)
+    if extension is not None and total and extension < total:
+        figures["extension_steps"] = extension
+        figures["stages"] = [dict(stage=name, steps=[first + 1, end], **stage_steady(steps, first, end, steady_from))
+                             for name, first, end in run_stages(total, extension)]
+    return figures
 
 
-def run_logged(cmd, cwd, env, timeout, stdout_path):
+def run_stages(total, extension):
+    """A run's stages as (name, first step, end), steps counted from 0 (the log's line step:s ends
+    step s - 1): each equal part of the scheduled steps (ours: train_seq_len_schedule and
+    window_schedule; the record's get_bs and get_ws: both int(3 * (step / scheduled))), then the
+    extension, if any."""
+    scheduled = total - extension
+    part = [int(STAGE_PARTS * (step / scheduled)) for step in range(scheduled)]
+    stages = [(f"{k + 1}/{STAGE_PARTS}", part.index(k), scheduled - part[::-1].index(k))
+              for k in range(STAGE_PARTS) if k in part]
+    return stages + ([("extension", scheduled, total)] if extension else [])
+
+
+def stage_steady(times, first, end, steady_from, *others):
+    """Steady ms/step of steps first..end - 1 from train_time at the log's step lines (times:
+    {step line: ms}): from the line first + STAGE_SKIP (the size or window changed at first: its
+    first steps may allocate or wait on the loader) and not before steady_from (the profile's
+    window lies before it), to end or the last line the run, and each of the others, reached."""
+    start = max(first + STAGE_SKIP, steady_from)
+    stop = min([end] + [max(t) if t else 0 for t in (times, *others)])
+    if stop <= start or not all(start in t and stop in t for t in (times, *others)):
+        return dict(timed=None, ms=None)
+    return dict(timed=[start, stop], ms=(times[stop] - times[start]) / (stop - start))
+
+
+def run_logged(cmd, cwd, env, timeout, stdout_path, until=None):
     """Run cmd, writing its output with a timestamp per line; returns (status, [(t, line)], seconds).
-    status is the exit code, or 'timeout' after killing its process group."""
+    status is the exit code, 'timeout' after killing its process group, or 'stopped' where it was
+    killed at its first line that matches the regex until."""
     start = time.time()
-    lines = []
+    lines, stopped = [], []
     STARTING.append(cmd)
     try:
         proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -1457,6 +1573,12 @@ def run_logged(cmd, cwd, env, timeout, stdout_path):
                 lines.append((t, line.rstrip("\n")))
                 f.write(f"{t:8.2f} {line}")
                 f.flush()
+                if until is not None and not stopped and until.match(line):
+                    stopped.append(t)
+                    try:
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
     thread = threading.Thread(target=reader, daemon=True)
     thread.start()
     try:
@@ -1467,7 +1589,7 @@ def run_logged(cmd, cwd, env, timeout, stdout_path):
         status = "timeout"
     RUNNING.discard(proc.pid)
     thread.join(timeout=10)
-    return status, lines, time.time() - start
+    return "stopped" if stopped else status, lines, time.time() - start
 
 
 def console_figures(lines):
@@ -1525,9 +1647,10 @@ def phase_train(rec, ctx):
     drop_choices_a_warm_phase_left(rec)
     smoke = ctx["cpu_smoke"]
     base, args, val_tokens, train_files, val_files = trainer_setup(rec, ctx, tg)
-    rec.note(f"each run: `python train_gpt.py {' '.join(base)} --num_iterations N --val_tokens {val_tokens}` on that "
-             f"data, 1 process, {args.micro_batches} micro-batches of {args.train_seq_len} tokens per step; the lr "
-             "and window schedules are compressed into N steps (so are the peer's); start-up = launch to the "
+    rec.note(f"each run: `python train_gpt.py {' '.join(base)} --num_iterations N --extension_steps E --val_tokens "
+             f"{val_tokens}` on that data, 1 process, {args.micro_batches} micro-batches per step (of "
+             f"{args.train_seq_len_schedule or args.train_seq_len} tokens); the lr, batch and window schedules are "
+             "compressed into N - E steps, then E extension steps (so are the peer's); start-up = launch to the "
              f"first step (imports, data checks, compilation, {args.warmup_steps} warmup steps); steady ms/step = "
              f"(train_time at step N - at step {ctx['steady_from']}) / (N - {ctx['steady_from']}); "
              "runs after the first reuse its compilation caches, so their start-up is not comparable (after "
@@ -1546,6 +1669,7 @@ def phase_train(rec, ctx):
     for i, (label, method, flags) in enumerate(runs):
         name = run_name(method, flags)
         steps = ctx["steps"] if i == 0 else ctx["variant_steps"]
+        extension = dict(run_schedules(ctx))[steps]
         remaining = ctx["deadline"] - time.time() - 5
         # another compile scope compiles afresh: it needs about the main run's start-up again
         needed = 10 if smoke else max(90, (main_startup or 0) + 60) if label == "variant" else 90
@@ -1555,25 +1679,49 @@ def phase_train(rec, ctx):
             rec.note(f"{name}: not run, {remaining:.0f} s of the phase budget left (run `--phases env,train "
                      f"--steps {steps} {again} --variants ''` in another command; --merge adds its run to these)")
             continue
-        argv = trainer_argv(base, steps, val_tokens, steps if i == 0 else 0, train_files, val_files, log_dir,
-                            f"proof_{name}", method, flags)
+        argv = trainer_argv(base, steps, extension, val_tokens, steps if i == 0 else 0, train_files, val_files,
+                            log_dir, f"proof_{name}", method, flags)
         profiled = os.path.join(ctx["out"], "profile_ours") if i == 0 and ctx["profile"] else None
         command = ([PROFILER, "--out", profiled, "--steps", "{}:{}".format(*ctx["profile"]), "--"] if profiled
                    else [TRAINER])
         status, lines, seconds = run_logged([sys.executable, *command, *argv], REPO_ROOT, child_env(smoke),
                                             remaining, os.path.join(ctx["out"], f"train_{name}.console.txt"))
         logs = sorted(glob_files(os.path.join(log_dir, f"*_proof_{name}", "*.txt")), key=os.path.getmtime)
-        figures = parse_run_log(open(logs[-1]).read(), ctx["steady_from"]) if logs else {}
+        figures = parse_run_log(open(logs[-1]).read(), ctx["steady_from"], extension) if logs else {}
         figures.update(console_figures(lines), exit=status, wall_s=round(seconds, 1), log=logs[-1] if logs else None,
                        flags=" ".join(flags))
+        label_stages(figures, tg, args, steps, extension)
         rec.row(table, run_row(label, method, figures))
         rec.value(f"run_{name}", figures)
         if i == 0:
+            stage_table(rec, f"ours ({name})", figures)
             rec.value("main", dict(figures, ns_method=method, name=name))
             main_startup = figures.get("startup_s")
             if profiled:
                 record_profile(rec, "ours", name, profiled)
         run_ended(rec, f"train run {name}", status, lines, figures.get("steps_done"))
+
+
+def label_stages(figures, tg, args, steps, extension):
+    """Each stage's micro-batch tokens and long window (blocks), by the trainer's schedules (the
+    record's are the same: tests/test_record_2026_schedules.py)."""
+    import dataclasses
+    run = dataclasses.replace(args, num_iterations=steps, extension_steps=extension)
+    for stage in figures.get("stages") or []:
+        first = stage["steps"][0] - 1
+        stage.update(micro_batch=tg.train_seq_len_at(first, run), window=tg.long_window_blocks_at(first, run))
+
+
+def stage_table(rec, who, figures):
+    if not figures.get("stages"):
+        return
+    table = rec.table(f"Steady ms/step per stage, {who}: each stage's steps from its {STAGE_SKIP + 1}th (and from "
+                      f"step {figures['steady_from'] + 1}) to its last", ["stage", "steps", "micro-batch tokens",
+                                                                           "long window (blocks)", "timed steps", "ms/step"])
+    for stage in figures["stages"]:
+        timed = stage.get("timed")
+        rec.row(table, [stage["stage"], "{}..{}".format(*stage["steps"]), stage.get("micro_batch"), stage.get("window"),
+                        "{}..{}".format(timed[0] + 1, timed[1]) if timed else None, stage["ms"]])
 
 
 def run_ended(rec, what, status, lines, steps_done=None):
@@ -1584,7 +1732,7 @@ def run_ended(rec, what, status, lines, steps_done=None):
         reached = "" if steps_done is None else f" after {steps_done} steps" if steps_done else " before its first step"
         rec.note(f"{what}: cut short by the phase's budget{reached}; its figures are what it reached"
                  + ("" if steps_done else "; its console ended: " + " | ".join(line for _, line in lines[-8:])))
-    elif status != 0:
+    elif status not in (0, "stopped"):   # (stopped: on purpose, at the line it was run until)
         rec.data["errors"].append({"check": f"{what} (exit {status}), console tail",
                                    "traceback": "\n".join(line for _, line in lines[-40:])})
     rec.flush()
@@ -1594,18 +1742,19 @@ def trainer_setup(rec, ctx, tg):
     """What the train and warm phases run ours with: the preset's flags (the smoke model's on
     CPU), its settings, the validation tokens and the timing data's file patterns (noted)."""
     smoke = ctx["cpu_smoke"]
-    base = SMOKE_TRAINER_ARGV if smoke else SPEEDRUN_TRAINER_ARGV
+    base = SMOKE_TRAINER_ARGV if smoke else ["--preset", "speedrun"]
     args = tg.harness("config").parse_config(base, {}, world_size=1, cuda_available=not smoke)
     val_tokens = SMOKE_VAL_TOKENS if smoke else RUN_VAL_TOKENS
-    train_files, val_files, note = timing_data(ctx, args.train_seq_len, args.micro_batches, args.val_seq_len,
-                                               val_tokens, max(ctx["steps"], ctx["variant_steps"]))
+    train_files, val_files, note = timing_data(ctx, tg, args, val_tokens)
     rec.note(note)
     return base, args, val_tokens, train_files, val_files
 
 
-def trainer_argv(base, steps, val_tokens, val_every, train_files, val_files, log_dir, name, method, flags):
-    """The trainer's command line in the train phase, and in the warm phase for one step."""
-    return base + ["--num_iterations", str(steps), "--val_tokens", str(val_tokens), "--val_every", str(val_every),
+def trainer_argv(base, steps, extension, val_tokens, val_every, train_files, val_files, log_dir, name, method, flags):
+    """The trainer's command line in the train phase, and in the warm phase (which stops it at its
+    first timed step: the same schedule compiles the same graphs)."""
+    return base + ["--num_iterations", str(steps), "--extension_steps", str(extension), "--val_tokens", str(val_tokens),
+                   "--val_every", str(val_every),
                    "--train_files", train_files, "--val_files", val_files, "--log_dir", log_dir, "--run_name", name,
                    "--ns_method", method, *flags]
 
@@ -1625,31 +1774,97 @@ def glob_files(pattern):
 # -----------------------------------------------------------------------------------------------
 # Phase peer
 
-def peer_copy(ctx, steps, val_tokens, folder=None):
-    """Copy the peer script into folder (default DIR/peer/) with num_iterations and val_tokens
-    changed (and any --peer-replace edits); returns (path, [(line number, before, after)])."""
-    text = open(ctx["peer"]).read()
-    edits = []
-    for name, value in (("num_iterations", steps), ("val_tokens", val_tokens)):
-        pattern = re.compile(rf"^(\s+{name}\s*=\s*)\d+(.*)$", re.M)
-        found = list(pattern.finditer(text))
+def peer_kind(path):
+    """'2026' for the 2026-01-19 record's script (its schedule: scheduled and extension steps), else
+    '2025' (the 2025-08-23 record's single file, --peer PATH)."""
+    return "2026" if re.search(r"^\s+num_scheduled_iterations\s*:", open(path).read(), re.M) else "2025"
+
+
+# The 2026 record's two attention calls (P 962-965, 1018-1022), each told apart by the line(s)
+# before it, and what the copy calls instead: torch's varlen_attn with the same arguments. FA3's
+# causal=True with window_size=(W, 0) is, in varlen_attn, window_size=(W, 0) alone (torch's
+# docstring: "(W, 0) for causal attention with sliding window of size W"; its FlashAttention-2
+# reads the right window 0 as causal), as in our --attn_backend varlen (attend).
+FA3_CALL = ("        y = flash_attn_interface.flash_attn_varlen_func(q[0], k[0], v[0], cu_seqlens_q=seqlens, "
+            "cu_seqlens_k=seqlens,\n"
+            "                                                        max_seqlen_q=max_len, max_seqlen_k=max_len,\n"
+            "                                                        causal=True, softmax_scale=yarn.attn_scale, "
+            "window_size=(bm_size, 0))")
+VARLEN_CALL = ("        y = varlen_attn(q[0], k[0], v[0], seqlens, seqlens, max_len, max_len,  # gpu_proof: FA3's call\n"
+               "                        scale=yarn.attn_scale,\n"
+               "                        window_size=(bm_size, 0))  # causal, as FA3's causal=True with this window")
+FA3_CALL_BEFORE = ("        # use flash_attn over flex_attn @varunneal. flash_attn_varlen suggested by @YouJiacheng\n",
+                   "        max_len = 2 * max_len\n\n")
+
+
+def peer_edits(text, kind, steps, extension):
+    """The (old, new) edits a peer copy gets for a run of steps steps, extension of them past its
+    schedules, validating at step 0 and at the end: each old occurs once in the script, and each
+    new has as many lines (the copy's line numbers are the script's). The 2026 record: its FA3
+    from the hub (no internet on a GPU lease) for torch's varlen_attn, its two schedule lengths, its
+    validation tokens and cadence. The 2025 record: num_iterations and val_tokens."""
+    if kind == "2025":
+        edits = []
+        for name, value in (("num_iterations", steps), ("val_tokens", PEER_VAL_TOKENS[kind])):
+            found = re.findall(rf"^[ \t]+{name}[ \t]*=[ \t]*\d+", text, re.M)
+            if len(found) != 1:
+                raise ValueError(f"expected one line '{name} = <int>', found {len(found)}")
+            edits.append((found[0], re.sub(r"\d+$", str(value), found[0])))
+        return edits
+    hyper = [(name, re.findall(rf"^    {name}: int = \d+", text, re.M)) for name in
+             ("num_scheduled_iterations", "num_extension_iterations", "val_tokens", "val_loss_every")]
+    for name, found in hyper:
         if len(found) != 1:
-            raise ValueError(f"{ctx['peer']}: expected one line '{name} = <int>', found {len(found)}")
-        m = found[0]
-        new = f"{m.group(1)}{value}{m.group(2)}"
-        edits.append((text.count("\n", 0, m.start()) + 1, m.group(0).strip(), new.strip()))
-        text = text[:m.start()] + new + text[m.end():]
+            raise ValueError(f"expected one line '    {name}: int = <int>', found {len(found)}")
+    values = {"num_scheduled_iterations": steps - extension, "num_extension_iterations": extension,
+              "val_tokens": PEER_VAL_TOKENS[kind], "val_loss_every": steps}
+    return [("from kernels import get_kernel",
+             "from torch.nn.attention.varlen import varlen_attn  # gpu_proof: for FA3 from the hub (offline)"),
+            ("flash_attn_interface = get_kernel('varunneal/flash-attention-3').flash_attn_interface",
+             "# gpu_proof: no FA3 from the hub (no internet); its two calls below are varlen_attn's"),
+            *[(before + FA3_CALL, before + VARLEN_CALL) for before in FA3_CALL_BEFORE],
+            *[(found[0], re.sub(r"\d+$", str(values[name]), found[0])) for name, found in hyper]]
+
+
+def apply_edit(text, old, new, what):
+    """text with old (which must occur once) replaced by new, and (line, before, after): the line
+    where old starts and the whole lines it spans, before and after."""
+    if text.count(old) != 1:
+        raise ValueError(f"{what}: {old!r} occurs {text.count(old)} times, expected once")
+    at = text.index(old)
+    first, last = text.rfind("\n", 0, at) + 1, text.find("\n", at + len(old))
+    last = len(text) if last < 0 else last
+    before = text[first:last]
+    return text[:at] + new + text[at + len(old):], (text.count("\n", 0, at) + 1, before, before.replace(old, new, 1))
+
+
+def peer_copy(ctx, steps, extension, folder=None):
+    """Copy the peer script (and the files it imports from its folder) into folder (default
+    DIR/peer/) with peer_edits made (and any --peer-replace edits after them); returns (path,
+    [(line number, before, after)])."""
+    text = open(ctx["peer"]).read()
+    kind = peer_kind(ctx["peer"])
+    edits = []
+    for old, new in peer_edits(text, kind, steps, extension):
+        text, edit = apply_edit(text, old, new, ctx["peer"])
+        edits.append(edit)
+    edits.sort()   # in the file's order (each keeps the lines it spans: the line numbers hold in the copy)
     for old, new in ctx["peer_replace"]:
-        if text.count(old) != 1:
-            raise ValueError(f"--peer-replace {old!r}: occurs {text.count(old)} times in {ctx['peer']}, expected once")
-        edits.append((text.count("\n", 0, text.index(old)) + 1, old, new))
-        text = text.replace(old, new)
+        text, edit = apply_edit(text, old, new, f"--peer-replace in {ctx['peer']}")
+        edits.append(edit)
     folder = folder or os.path.join(ctx["out"], "peer")
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, os.path.basename(ctx["peer"]))
     with open(path, "w") as f:
         f.write(text)
+    for name in PEER_SIBLINGS if kind == "2026" else ():
+        shutil.copyfile(os.path.join(os.path.dirname(ctx["peer"]), name), os.path.join(folder, name))
     return path, edits
+
+
+def one_line(text):
+    """An edit's lines as one markdown table cell."""
+    return " ⏎ ".join(line.strip() for line in text.split("\n")).replace("|", "\\|")
 
 
 def free_port():
@@ -1673,18 +1888,21 @@ def phase_peer(rec, ctx):
         return
     rec.value("peer_script", ctx["peer"])
     rec.value("peer_sha256", file_sha256(ctx["peer"]))
-    path, edits = peer_copy(ctx, ctx["steps"], PEER_VAL_TOKENS)
-    table = rec.table("Edits made to the copy of the peer script (nothing else differs)", ["line", "original", "copy"])
-    for edit in edits:
-        rec.row(table, list(edit))
+    kind = peer_kind(ctx["peer"])
+    steps, extension = ctx["steps"], ctx["extension_steps"]
+    path, edits = peer_copy(ctx, steps, extension)
+    rec.value("peer_edits", {str(line): dict(before=before, after=after) for line, before, after in edits})  # (json only)
+    table = rec.table("Edits made to the copy of the peer script (nothing else differs; ⏎ joins the lines of one "
+                      "edit, exact in report.json's peer_edits)", ["line", "original", "copy"])
+    for line, before, after in edits:
+        rec.row(table, [line, one_line(before), one_line(after)])
     if smoke:
         rec.skip("needs CUDA (the copy and its edits above were made and checked)")
         return
     tg = import_trainer()
     drop_choices_a_warm_phase_left(rec)
     args = speedrun_args(tg)
-    train_files, val_files, note = timing_data(ctx, args.train_seq_len, args.micro_batches, args.val_seq_len,
-                                               RUN_VAL_TOKENS, max(ctx["steps"], ctx["variant_steps"]))
+    train_files, val_files, note = timing_data(ctx, tg, args, RUN_VAL_TOKENS)
     rec.note(note)
     rec.note("run: RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 DATA_PATH=DIR python <copy> (world size 1: 8 micro-batches "
              "accumulated), log in DIR/peer/logs/<uuid>.txt; figures read as for ours")
@@ -1692,34 +1910,23 @@ def phase_peer(rec, ctx):
     remaining = ctx["deadline"] - time.time() - 5
     folder = os.path.dirname(path)
     command, profiled = [path], None
-    warmup = peer_warmup_steps(open(path).read())
-    if ctx["profile"] and warmup is None:
-        rec.note("not profiled: no 'warmup_steps = N' line in the peer script, so its timed steps cannot be "
-                 "told from its warmup steps")
-    elif ctx["profile"]:
+    if ctx["profile"]:   # its steps counted by its step lines: its optimizer is not a torch.optim one
         profiled = os.path.join(ctx["out"], "profile_peer")
-        first, last = (step + warmup for step in ctx["profile"])
-        command = [PROFILER, "--out", profiled, "--steps", f"{first}:{last}", "--script", path]
+        command = [PROFILER, "--out", profiled, "--steps", "{}:{}".format(*ctx["profile"]), "--steps-by", "log",
+                   "--script", path]
     status, lines, seconds = run_logged([sys.executable, *command], folder, env, remaining,
                                         os.path.join(ctx["out"], "peer.console.txt"))
     logs = sorted(glob_files(os.path.join(folder, "logs", "*.txt")), key=os.path.getmtime)
-    figures = parse_run_log(open(logs[-1]).read(), ctx["steady_from"]) if logs else {}
+    figures = parse_run_log(open(logs[-1]).read(), ctx["steady_from"], extension) if logs else {}
     figures.update(console_figures(lines), exit=status, wall_s=round(seconds, 1), log=logs[-1] if logs else None)
+    label_stages(figures, tg, args, steps, extension)
     runs = rec.table("Peer run", run_columns())
-    rec.row(runs, run_row("peer", "newton_schulz (record)", figures))
+    rec.row(runs, run_row("peer", {"2026": "polar_express", "2025": "newton_schulz"}[kind] + " (record)", figures))
     rec.value("run", figures)
+    stage_table(rec, "the peer", figures)
     if profiled:
-        record_profile(rec, "peer", "the record script", profiled, warmup)
+        record_profile(rec, "peer", "the record script", profiled)
     run_ended(rec, "peer run", status, lines, figures.get("steps_done"))
-
-
-def peer_warmup_steps(text):
-    """The untimed warmup steps the record script takes (its `warmup_steps = N` line), which
-    profile_step counts as optimizer steps: its timed step S is optimizer step N + S. Its hook
-    fires after the first optimizer (Adam) of a step, before Muon, so the peer's window holds the
-    same work as ours, opened earlier by its Muon update. None when the script has no such line."""
-    found = re.search(r"^warmup_steps\s*=\s*(\d+)", text, re.M)
-    return int(found[1]) if found else None
 
 
 def record_profile(rec, who, run, folder, warmup=0):
@@ -1751,9 +1958,12 @@ def record_profile(rec, who, run, folder, warmup=0):
 # Phase warm
 
 def phase_warm(rec, ctx):
-    """Compile ours (the main run's flags) and the peer, one training step each, untimed: their
+    """Compile ours (the main run's flags) and the peer, untimed, each the run its timed phase
+    makes (the same steps and schedule: the windows, sizes and YaRN scales its graphs hold), stopped
+    at its first timed step, after its warmup compiled every graph its steps need: their
     compilation and kernel builds fill this machine's caches (inductor's, Triton's), so the train
-    and peer phases after it start in minutes less. Two cold start-ups one after the other take
+    and peer phases after it start in minutes less (the last validation's window still compiles
+    at the end of each timed run: no warmup has it). Two cold start-ups one after the other take
     more than a 15-minute lease holds; compiling is mostly CPU work, so the two run at once where
     the GPU's memory holds both (how much that saves is for a GPU run to show). The autotuning
     choices they saved are removed after them (or, if this phase is cut short, by the next train
@@ -1765,18 +1975,19 @@ def phase_warm(rec, ctx):
     method = (ctx["ns_methods"] or [args.ns_method])[0]
     name = run_name(method, ctx["main_flags"])
     folder = os.path.join(ctx["out"], "warm")
-    ours = [sys.executable, TRAINER, *trainer_argv(base, 1, val_tokens, 0, train_files, val_files, folder,
-                                                   f"warm_{name}", method, ctx["main_flags"])]
+    steps, extension = ctx["steps"], ctx["extension_steps"]
+    ours = [sys.executable, TRAINER, *trainer_argv(base, steps, extension, val_tokens, steps, train_files, val_files,
+                                                   folder, f"warm_{name}", method, ctx["main_flags"])]
     jobs = [("ours", ours, REPO_ROOT, child_env(smoke), os.path.join(ctx["out"], f"warm_{name}.console.txt"))]
-    rec.note(f"ours: the train phase's main run ({name}) for 1 step; its variants and other ns_methods compile "
-             "in the train phase as before")
+    rec.note(f"ours: the train phase's main run ({name}) up to its first timed step; its variants and other "
+             "ns_methods compile in the train phase as before")
     if not ctx["peer"]:
         rec.note("peer: no peer script (--peer PATH), not warmed")
     elif smoke:
-        peer_copy(ctx, 1, PEER_VAL_TOKENS, os.path.join(folder, "peer"))
+        peer_copy(ctx, steps, extension, os.path.join(folder, "peer"))
         rec.note("peer: needs CUDA, not run (its copy was made)")
     else:
-        path, _ = peer_copy(ctx, 1, PEER_VAL_TOKENS, os.path.join(folder, "peer"))
+        path, _ = peer_copy(ctx, steps, extension, os.path.join(folder, "peer"))
         jobs.insert(0, ("peer", [sys.executable, path], os.path.dirname(path), peer_env(ctx),
                         os.path.join(ctx["out"], "warm_peer.console.txt")))   # the longer start-up first
     memory = gpu_memory_gib() if len(jobs) > 1 else None
@@ -1792,7 +2003,7 @@ def phase_warm(rec, ctx):
     with open(marker, "w") as f:
         f.write(repr(since))
     # Ended 15 s before the phase's deadline: the choices they saved must be removed before it.
-    for label, (status, lines, seconds) in run_jobs(jobs, ctx["deadline"] - 15, together).items():
+    for label, (status, lines, seconds) in run_jobs(jobs, ctx["deadline"] - 15, together, STEP_RE).items():
         figures = console_figures(lines)
         rec.row(table, [label, status, figures["startup_s"], round(seconds, 1),
                         figures["recompiles_warmup"] + figures["recompiles_timed"], figures["graph_breaks"]])
@@ -1818,15 +2029,15 @@ def drop_choices_a_warm_phase_left(rec):
     rec.note(f"removed {removed} autotuning choice file(s) a warm phase cut short had left")
 
 
-def run_jobs(jobs, deadline, together):
+def run_jobs(jobs, deadline, together, until=None):
     """Run (label, cmd, cwd, env, console) jobs with run_logged, at once or one after the other,
-    each until the deadline; {label: (status, lines, seconds)} (status 'error' where the job could
-    not be run, its traceback as its lines)."""
+    each until the deadline (or its first line matching until); {label: (status, lines, seconds)}
+    (status 'error' where the job could not be run, its traceback as its lines)."""
     results = {}
 
     def one(label, cmd, cwd, env, console):
         try:
-            results[label] = run_logged(cmd, cwd, env, deadline - time.time() - 5, console)
+            results[label] = run_logged(cmd, cwd, env, deadline - time.time() - 5, console, until)
         except Exception:  # noqa: BLE001 - a thread's exception would otherwise only reach stderr
             results[label] = ("error", [(0.0, line) for line in traceback.format_exc().splitlines()], 0.0)
     if not together:
@@ -1923,8 +2134,28 @@ def compare_with_peer(phases):
                 steady_ms_ratio=steady[0] / steady[1] if all(steady) else None,
                 peak_allocated_ratio=ratio("peak_allocated_mib"),
                 peak_reserved_ratio=ratio("peak_reserved_mib"), steps_ours=ours.get("steps_done"),
-                steps_peer=peer.get("steps_done"),
+                steps_peer=peer.get("steps_done"), flags_ours=ours.get("flags"),
+                **{f"{key}_{who}": run.get(key) for key in ("peak_allocated_mib", "peak_reserved_mib",
+                                                            "val_loss_start", "val_loss_end", "val_end_step")
+                   for who, run in (("ours", ours), ("peer", peer))},
+                stages=compare_stages(ours, peer, times),
                 profiles=profiles if all(p and p["device_ms_per_step"] for p in profiles) else None)
+
+
+def compare_stages(ours, peer, times):
+    """Per stage, both runs' steady ms/step over the steps both timed (stage_steady with both),
+    where both have the same stages (the same steps and extension); else None."""
+    if not ours.get("stages") or [s["steps"] for s in ours["stages"]] != [s["steps"] for s in peer.get("stages") or []]:
+        return None
+    rows = []
+    for stage in ours["stages"]:
+        first, end = stage["steps"][0] - 1, stage["steps"][1]
+        both = [stage_steady(t, first, end, ours["steady_from"], other) for t, other in (times, times[::-1])]
+        rows.append(dict(stage=stage["stage"], steps=stage["steps"], micro_batch=stage.get("micro_batch"),
+                         window=stage.get("window"), timed=both[0]["timed"], ms_ours=both[0]["ms"],
+                         ms_peer=both[1]["ms"], ratio=both[0]["ms"] / both[1]["ms"] if both[0]["ms"] and both[1]["ms"]
+                         else None))
+    return rows
 
 
 def profile_rows(profiles):
@@ -1967,17 +2198,40 @@ def render_markdown(report):
     if comp:
         window = (f"steps {comp['steady_window'][0]}..{comp['steady_window'][1]}, both" if comp.get("steady_window")
                   else f"steps {STEADY_FROM}..N, each its own N")
-        out += ["## Ours vs the public record script (same GPU, same data)", "",
+        flags = f"; ours with `{comp['flags_ours']}`" if comp.get("flags_ours") else ""
+        out += [f"## Ours vs the public record script (same GPU, same data{flags})", "",
                 "| figure | ours | peer | ours / peer |", "|---|---|---|---|",
                 f"| steady ms/step ({window}) | {fmt(comp['steady_ms_ours'])} | "
                 f"{fmt(comp['steady_ms_peer'])} | {fmt(comp['steady_ms_ratio'])} |",
-                f"| peak memory allocated, ratio | | | {fmt(comp['peak_allocated_ratio'])} |",
-                f"| peak memory reserved, ratio | | | {fmt(comp['peak_reserved_ratio'])} |", ""]
+                f"| peak memory allocated, MiB | {fmt(comp.get('peak_allocated_mib_ours'))} | "
+                f"{fmt(comp.get('peak_allocated_mib_peer'))} | {fmt(comp['peak_allocated_ratio'])} |",
+                f"| peak memory reserved, MiB | {fmt(comp.get('peak_reserved_mib_ours'))} | "
+                f"{fmt(comp.get('peak_reserved_mib_peer'))} | {fmt(comp['peak_reserved_ratio'])} |"]
+        for key, name in (("val_loss_start", "val loss at step 0"), ("val_loss_end", "val loss at the end")):
+            if comp.get(f"{key}_ours") is not None or comp.get(f"{key}_peer") is not None:
+                at = "" if key == "val_loss_start" else (f" (steps {fmt(comp.get('val_end_step_ours'))} and "
+                                                          f"{fmt(comp.get('val_end_step_peer'))})")
+                out.append(f"| {name}{at} | {fmt(comp.get(key + '_ours'))} | {fmt(comp.get(key + '_peer'))} | |")
+        out.append("")
+        if comp.get("stages"):
+            out += [f"Steady ms/step per stage, over the steps both timed (each stage's from its {STAGE_SKIP + 1}th, "
+                    f"and from step {STEADY_FROM + 1}, after the profile's window; stages as ours and the record's "
+                    "schedules make them):", "",
+                    "| stage | steps | micro-batch tokens | long window (blocks) | timed steps | ours ms/step | "
+                    "peer ms/step | ours / peer |", "|---|---|---|---|---|---|---|---|"]
+            for st in comp["stages"]:
+                timed = "{}..{}".format(st["timed"][0] + 1, st["timed"][1]) if st.get("timed") else "none"
+                out.append(f"| {st['stage']} | {st['steps'][0]}..{st['steps'][1]} | {fmt(st.get('micro_batch'))} | "
+                           f"{fmt(st.get('window'))} | {timed} | {fmt(st['ms_ours'])} | {fmt(st['ms_peer'])} | "
+                           f"{fmt(st['ratio'])} |")
+            out.append("")
         if comp.get("profiles"):
             first, last = comp["profiles"][0]["steps"]
+            opened = ("both windows open and close at a step line: the same steps" if
+                      comp["profiles"][1].get("steps_by") == "log" else "the peer's window opens after its Adam "
+                      "step, before its Muon step: the same work, opened earlier")
             out += [f"Device time per step by kernel family over timed steps {first}..{last} (bench/profile_step.py; "
-                    "the peer's window opens after its Adam step, before its Muon step: the same work, "
-                    "opened earlier):", "",
+                    f"{opened}):", "",
                     "| kernel family | ours ms/step | peer ms/step | ours - peer |", "|---|---|---|---|"]
             out += ["| " + " | ".join(fmt(x) for x in row) + " |" for row in profile_rows(comp["profiles"])] + [""]
     for name, p in report["phases"].items():

@@ -15,18 +15,23 @@ On one GPU, A must be past the trainer's warmup and the first compilations to pr
 state (the speedrun preset warms up before its clock starts, so A = 12 of an 18-step run works).
 
 `--script PATH` profiles another training script instead (the public record's, say), run as
-__main__ with the arguments after `--`. Its steps are counted by a global torch.optim step hook
-on the first optimizer that steps, so they include any warmup steps it takes (the record script
-takes 10 before its clock starts: its step 12 is our A = 22).
+__main__ with the arguments after `--` and its own folder first on sys.path (as `python PATH`).
+Its steps are counted by a global torch.optim step hook on the first optimizer that steps, so they
+include any warmup steps it takes (the 2025 record script takes 10 before its clock starts: its
+step 12 is our A = 22); with `--steps-by log`, by its console's `step:N/M train_time:` lines
+instead, the speedrun's line format, timed steps only (the 2026 record's optimizer is no
+torch.optim one).
 
 Usage: python bench/profile_step.py --out DIR [--steps 12:15] -- --preset speedrun --num_iterations 18 ...
        python bench/profile_step.py --out DIR --steps 22:25 --script peers/SCRIPT.py
+       python bench/profile_step.py --out DIR --steps 12:15 --steps-by log --script peers/RECORD/train_gpt.py
 """
 
 import collections
 import gzip
 import json
 import os
+import re
 import runpy
 import sys
 import warnings
@@ -158,9 +163,32 @@ class SyncCounter:
         return total / steps, "\n".join(lines) + "\n"
 
 
-def run_script(path, argv, on_step):
+STEP_LINE = re.compile(r"step:(\d+)/\d+ train_time:")
+
+
+class StepLines:
+    """The script's stdout, calling on_step(N, None, None) after it wrote a line step:N/M train_time:."""
+
+    def __init__(self, stream, on_step):
+        self.stream, self.on_step, self.pending = stream, on_step, ""
+
+    def write(self, text):
+        written = self.stream.write(text)
+        *lines, self.pending = (self.pending + text).split("\n")
+        for line in lines:
+            if found := STEP_LINE.match(line):
+                self.stream.flush()
+                self.on_step(int(found[1]), None, None)
+        return written
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+def run_script(path, argv, on_step, by_log=False):
     """Run a training script as __main__, calling on_step(step, None, optimizer) after each step of
-    the first torch.optim optimizer that steps (a script with several optimizers steps each once)."""
+    the first torch.optim optimizer that steps (a script with several optimizers steps each once),
+    or (by_log) after each of its step lines."""
     from torch.optim.optimizer import register_optimizer_step_post_hook
     counted = {}
 
@@ -170,16 +198,22 @@ def run_script(path, argv, on_step):
             counted["steps"] = counted.get("steps", 0) + 1
             on_step(counted["steps"], None, optimizer)
 
-    handle = register_optimizer_step_post_hook(after_step)
-    saved_argv = sys.argv
+    handle = None if by_log else register_optimizer_step_post_hook(after_step)
+    saved_argv, saved_stdout, folder = sys.argv, sys.stdout, os.path.dirname(os.path.abspath(path))
     sys.argv = [path] + list(argv)
+    sys.path.insert(0, folder)   # its own modules by name, as `python path` finds them
+    if by_log:
+        sys.stdout = StepLines(sys.stdout, on_step)
     try:
         runpy.run_path(path, run_name="__main__")
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     finally:
-        sys.argv = saved_argv
-        handle.remove()
+        sys.argv, sys.stdout = saved_argv, saved_stdout
+        if folder in sys.path:
+            sys.path.remove(folder)
+        if handle is not None:
+            handle.remove()
     return 0
 
 
@@ -190,6 +224,8 @@ def main(argv=None):
     p.add_argument("--out", required=True, help="folder for kernels.txt, categories.txt and trace.json.gz")
     p.add_argument("--steps", default="12:15", help="profile after optimizer step A up to step B (A:B)")
     p.add_argument("--script", help="profile this training script (run as __main__) instead of train_gpt.py")
+    p.add_argument("--steps-by", choices=("optimizer", "log"), default="optimizer",
+                   help="--script's steps: its first torch.optim optimizer's steps, or its step:N/M train_time: lines")
     opts = p.parse_args(ours)
     try:
         first, last = step_range(opts.steps)
@@ -270,12 +306,13 @@ def main(argv=None):
                     f.write(syncs)
             with open(os.path.join(opts.out, "profile.json"), "w") as f:
                 json.dump(dict(steps=[first + 1, last], device_ms_per_step=figures, host_syncs_per_step=syncs_per_step,
-                               script=opts.script or "train_gpt.py"), f, indent=1)
+                               script=opts.script or "train_gpt.py",
+                               steps_by=opts.steps_by if opts.script else "train_gpt.py's steps"), f, indent=1)
             print(f"[profile_step] steps {first + 1}..{last} written to {opts.out}\n{summary}{syncs or ''}", flush=True)
 
     try:
         if opts.script:
-            status = run_script(opts.script, trainer, on_step)
+            status = run_script(opts.script, trainer, on_step, by_log=opts.steps_by == "log")
         else:
             trainer_train = train_gpt.train
 

@@ -119,12 +119,14 @@ def test_flex_attention_forward_equals_naive_attention(T, block, window, n_docs,
         torch.testing.assert_close(out[0, :, h].double(), ref, atol=1e-5, rtol=1e-5)
 
 
-def test_short_window_is_half_the_long_one():
-    args = train_gpt.Hyperparameters(attn_block_size=32)
+@pytest.mark.parametrize("token_windows", [True, False])  # the 2026 record's windows (the default), 2025's
+def test_short_window_is_half_the_long_one(token_windows):
+    args = train_gpt.Hyperparameters(attn_block_size=32, token_windows=token_windows)
     hw = train_gpt.Hardware(torch.device("cpu"), torch.float32, "sdpa", False, "torch", "gloo")
     tokens = random_documents(256, 1, 0)
     masks = train_gpt.attention_masks(tokens, torch.tensor(4), args, hw)
-    assert torch.equal(masks["L"], train_gpt.dense_attention_mask(tokens, torch.tensor(4), 32))
-    assert torch.equal(masks["S"], train_gpt.dense_attention_mask(tokens, torch.tensor(2), 32))
+    assert torch.equal(masks["L"], train_gpt.dense_attention_mask(tokens, torch.tensor(4), 32, token_windows))
+    assert torch.equal(masks["S"], train_gpt.dense_attention_mask(tokens, torch.tensor(2), 32, token_windows))
+    assert not torch.equal(masks["L"], masks["S"])
     one = train_gpt.attention_masks(tokens, torch.tensor(1), args, hw)
     assert torch.equal(one["S"], one["L"])  # never below one block

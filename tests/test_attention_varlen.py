@@ -247,8 +247,8 @@ def test_the_training_loop_feeds_varlen_int_windows_and_packed_warmup_batches(tw
 
 @pytest.mark.parametrize("flags, message", [
     (dict(attn_backend="flash"), "--attn_backend='flash': expected one of flex, varlen"),
-    (dict(attn_backend="varlen"), "--attn_backend=varlen: needs --token_windows true (FlashAttention's window "
-                                  "reaches W tokens back, not whole blocks)"),
+    (dict(attn_backend="varlen", token_windows=False), "--attn_backend=varlen: needs --token_windows true "
+                                                        "(FlashAttention's window reaches W tokens back, not whole blocks)"),
 ])
 def test_bad_attention_backends_are_one_line_errors(flags, message):
     with pytest.raises(train_gpt.ConfigError) as err:

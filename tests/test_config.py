@@ -20,7 +20,7 @@ def test_default_preset_follows_the_hardware():
     assert parse(cuda=False).preset == "cpu"
     speedrun = parse(cuda=True)
     assert speedrun.preset == "speedrun"
-    assert (speedrun.num_layers, speedrun.model_dim, speedrun.num_iterations) == (12, 768, 1695)
+    assert (speedrun.num_layers, speedrun.model_dim, speedrun.num_iterations) == (11, 768, 1600)  # the 2026 record's
 
 
 def test_cpu_preset_changes_only_its_own_fields():
@@ -79,9 +79,11 @@ BAD = [
     (["positional"], {}, 1, "unexpected argument"),
     (["--device", "cuda"], {}, 1, "no CUDA device"),
     (["--adam_beta1", "1"], {}, 1, "--adam_beta1=1.0: must lie in [0, 1)"),
-    (["--attention_free_layers", "0,2", "--num_value_embeds", "1"], {}, 1, "blocks [0] take value embeddings"),
+    (["--attention_free_layers", "2"], {}, 1, "blocks [2] take value embeddings"),  # the cpu preset's layout 1.01
+    (["--attention_free_layers", "0,2", "--num_value_embeds", "1", "--value_embed_layers", "", "--paired_head_layers", ""],
+     {}, 1, "blocks [0] take value embeddings"),  # the layout num_value_embeds makes (2025)
     (["--rotary_base", "0"], {}, 1, "--rotary_base"),
-    (["--key_offset"], {}, 1, "--key_offset=True: needs --yarn"),
+    (["--key_offset", "--yarn", "false", "--paired_head_layers", ""], {}, 1, "--key_offset=True: needs --yarn"),
     (["--value_embed_layers", "012"], {}, 1, "--value_embed_layers='012': needs one character per layer (4)"),
     (["--value_embed_layers", "0..3"], {}, 1, "an index below num_value_embeds=2"),
     (["--skip_layers", "6,3"], {}, 1, "--skip_layers='6,3': expected two block indices, from and to"),
@@ -99,7 +101,8 @@ BAD = [
     (["--adam_every", "0"], {}, 1, "--adam_every=0: must be at least 1"),
     (["--embed_split_frac", "1.5"], {}, 1, "--embed_split_frac=1.5: must lie in [0, 1]"),
     (["--mlp_proj_lr_mult", "0"], {}, 1, "--mlp_proj_lr_mult=0.0: must be positive"),
-    (["--paired_head_layers", "0"], {}, 1, "--paired_head_layers='0': needs --yarn"),
+    (["--paired_head_layers", "0", "--yarn", "false", "--key_offset", "false"], {}, 1,
+     "--paired_head_layers='0': needs --yarn"),
     (["--paired_head_layers", "7", "--yarn"], {}, 1, "--paired_head_layers='7': indices must be blocks with attention"),
     (["--paired_head_layers", "0,x", "--yarn"], {}, 1, "--paired_head_layers='0,x': expected comma-separated"),
     (["--paired_head_layers", "0", "--yarn", "--num_heads", "3", "--head_dim", "256", "--model_dim", "768"], {}, 1,
@@ -177,14 +180,14 @@ def test_help_shows_the_active_values_descriptions_and_choices():
     assert sum("in the environment)" in line for line in fields.values()) == 1
     # descriptions are the dataclass comments, choices where the set is fixed
     assert fields["--num_layers=4"].endswith("int    transformer blocks")
-    assert fields["--ns_method=newton_schulz"].endswith("[newton_schulz|polar_express|aol]")
+    assert fields["--ns_method=polar_express"].endswith("[newton_schulz|polar_express|aol]")
     compile_help = "torch.compile the model (--compile_scope: in how many graphs), the orthogonalizer [true|false]"
     assert fields["--compile=False"].endswith(compile_help)
     assert fields["--compile_scope=model"].endswith("alone [model|blocks]")
     assert fields["--preset=cpu"].endswith("[speedrun|cpu]")
     assert all(len(line.split(None, 2)) == 3 for line in fields.values())  # every field is described
     speedrun = help_text(["--help"], cuda=True)  # the default preset with CUDA
-    assert any(line.startswith("  --num_layers=12 ") for line in speedrun)
+    assert any(line.startswith("  --num_layers=11 ") for line in speedrun)
     assert "(--preset, default speedrun on this machine)" in speedrun[1]
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import train_gpt
+from conftest import TINY
 from harness import config as cfg
 
 
@@ -149,11 +150,13 @@ def test_the_model_runs_the_fused_mlp_where_asked(monkeypatch):
     launches = []
     kernel = train_gpt.relu_square_matmul_triton
     monkeypatch.setattr(train_gpt, "relu_square_matmul_triton", lambda *a: launches.append(len(a)) or kernel(*a))
-    tiny = dict(preset="cpu", num_layers=2, model_dim=32, num_heads=2, head_dim=16, num_value_embeds=1,
-                window_pattern="LS", attn_block_size=16, train_seq_len=48, val_seq_len=48, compile=False)
+    # TINY's model at 2 blocks (the Triton interpreter is slow)
+    tiny = dict(TINY, num_layers=2, window_pattern="SL", attention_free_layers="", value_embed_layers="0.",
+                skip_layers="0,1", backout_layer=0, attn_block_size=16, train_seq_len=48, val_seq_len=48, val_tokens=96)
     results = {}
     for backend in ("torch", "triton"):
         args = train_gpt.Hyperparameters(**tiny, mlp_backend=backend)
+        cfg.check_config(args, 1, False)
         hw = train_gpt.Hardware.detect(args)
         assert hw.mlp_backend == backend
         torch.manual_seed(0)

@@ -19,6 +19,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "gpu_proof.py"
 PEER = ROOT.parent / "shared" / "peers" / "modded-nanogpt_9d9dc969_train_gpt.py"
+PEER_2026 = ROOT.parent / "shared" / "peers" / "modded-nanogpt_93f0e6b9" / "train_gpt.py"   # the default peer's source
 sys.path.insert(0, str(ROOT))
 
 from bench import gpu_proof  # noqa: E402
@@ -430,25 +431,30 @@ def test_a_run_cut_by_the_budget_leaves_the_phase_partial_with_its_figures(tmp_p
     assert result.returncode == 1 and train["status"] == "partial" and not train["errors"], result.stdout
     main = train["values"]["main"]
     assert main["exit"] == "timeout" and 3 < main["steps_done"] < 3000 and main["steady_ms"] > 0
-    assert f"train run {main['ns_method']}: cut short by the phase's budget after {main['steps_done']} steps; its " \
+    assert f"train run newton_schulz: cut short by the phase's budget after {main['steps_done']} steps; its " \
            "figures are what it reached" in train["notes"]
 
 
 @pytest.mark.parametrize("memory_gib, call, total, phases", [
-    (79.6, 1, None, ["env", "peer"]), (79.6, 2, 335, ["env", "train", "correct"]),
-    (79.6, 2, 334, ["env", "kernels", "correct"]),
-    (139.8, 1, None, ["env", "warm"]), (139.8, 2, 300, ["env", "peer", "train", "correct"])])
+    (79.6, 1, None, ["env", "peer"]), (79.6, 2, 455, ["env", "train", "correct"]),
+    (79.6, 2, 454, ["env", "kernels", "correct"]),
+    (139.8, 1, None, ["env", "warm"]), (139.8, 2, 300, ["env", "peer", "train", "correct"]),
+    (139.8, 2, 100, ["env", "peer", "train", "correct"])])
 def test_a_lease_call_runs_the_plan_for_its_gpu(tmp_path, monkeypatch, memory_gib, call, total, phases):
     """--lease 1 and 2: an H100's memory gets the record (its start-up is the longer), then ours
     where call 2 leaves its phase OURS_MIN_S (else the checks and one GPU's kernel stacks); an
-    H200's gets both compiled at once, then both timed. A second call ends with the checks, in
-    what time is left. Every run 40 steps."""
+    H200's gets both compiled at once, then both timed, the record with at most its share of the
+    call so that ours has the rest. A second call ends with the checks, in what time is left.
+    Every run 96 steps, 12 of them the extension; ours the preset with the record's attention."""
     monkeypatch.setattr(gpu_proof, "gpu_memory_gib", lambda: memory_gib)
     opts = gpu_proof.parse_args(["--cpu-smoke", "--out", str(tmp_path / "out"), "--lease", str(call)]
                                 + (["--total", str(total)] if total else []))
-    assert opts.phases == phases and opts.ns_methods == ["polar_express"] and opts.variants == []  # the preset's
-    assert opts.total == (total or 570) and opts.steps == 40
+    assert opts.phases == phases and opts.ns_methods == ["polar_express"] and opts.variants == []
+    assert opts.main_flags == ["--attn_backend", "varlen"]
+    assert opts.total == (total or 570) and (opts.steps, opts.extension_steps) == (96, 12)
     assert opts.kernel_gpus == ([1] if "kernels" in phases else None)
+    share = min(gpu_proof.SMOKE_BUDGET_S["peer"], 0.5 * (opts.total - gpu_proof.TOTAL_MARGIN_S - 10))
+    assert opts.budgets["peer"] == (share if memory_gib > 100 and call == 2 else gpu_proof.SMOKE_BUDGET_S["peer"])
 
 
 @pytest.mark.parametrize("answers, memory_gib", [
@@ -517,11 +523,12 @@ def logged_settings(log):
     return dict(line.split("=", 1) for line in header.splitlines() if re.fullmatch(r"[a-z0-9_]+=.*", line))
 
 
-def test_warm_phase_compiles_the_main_run_for_one_step_and_copies_the_peer(tmp_path):
-    """--phases env,warm,train on CPU: the warm phase runs the train phase's main configuration
-    for one step (its compilation is what fills the caches), with the same settings but the
-    four that do not reach a compiled graph; the peer's copy is made for one step (it needs CUDA
-    to run); the logs stay in --out; the marker of a running warm phase is gone after it."""
+def test_warm_phase_runs_the_main_run_to_its_first_timed_step_and_copies_the_peer(tmp_path):
+    """--phases env,warm,train on CPU: the warm phase runs the train phase's main run, stopped at
+    its first timed step (its compilation is what fills the caches), with the same settings but
+    the two that do not reach a compiled graph (its schedule makes the graphs: the same steps);
+    the peer's copy is made for as many steps (it needs CUDA to run); the logs stay in --out; the
+    marker of a running warm phase is gone after it."""
     out, cache = tmp_path / "out", tmp_path / "inductor"
     result = run("--cpu-smoke", "--out", str(out), "--phases", "env,warm,train", "--ns-methods", "newton_schulz",
                  "--main-flags", "--compile_scope blocks", "--variants", "",
@@ -530,24 +537,32 @@ def test_warm_phase_compiles_the_main_run_for_one_step_and_copies_the_peer(tmp_p
     assert result.returncode == 0, result.stdout + result.stderr
     warm = json.loads((out / "report.json").read_text())["phases"]["warm"]
     assert warm["status"] == "ok" and warm["values"]["together"] is False
-    assert [r["run"] for r in rows(warm, "Warm-up runs")] == ["ours"] and warm["values"]["ours"]["exit"] == 0
+    assert [r["run"] for r in rows(warm, "Warm-up runs")] == ["ours"] and warm["values"]["ours"]["exit"] == "stopped"
     (log,) = (out / "warm").glob("*_warm_newton_schulz_compile_scope-blocks/*.txt")
-    assert "step:1/1 " in log.read_text()
+    assert "step:1/4 " in (out / "warm_newton_schulz_compile_scope-blocks.console.txt").read_text()   # (killed there:
+    assert "Resetting Model" in log.read_text()   # the log may lack that line) after the warmup compiled it all
     (timed,) = (out / "train").glob("*_proof_newton_schulz_compile_scope-blocks/*.txt")
     warm_settings, timed_settings = logged_settings(log), logged_settings(timed)
     assert warm_settings["compile_scope"] == "blocks" and warm_settings["ns_method"] == "newton_schulz"
     differ = {k for k in warm_settings.keys() | timed_settings.keys() if warm_settings.get(k) != timed_settings.get(k)}
-    assert differ == {"num_iterations", "val_every", "log_dir", "run_name"}, differ
+    assert differ == {"log_dir", "run_name"}, differ
     assert warm["values"]["autotune_choices_removed"] == 0   # the CPU's kernels are C++: nothing tuned
     assert cache.is_dir() and not (cache / "gpu_proof_warm_began").exists()
     if PEER.exists():
         copy = (out / "warm" / "peer" / PEER.name).read_text()
-        assert "num_iterations = 1 #" in copy and "val_tokens = 262144 #" in copy
+        assert "num_iterations = 4 #" in copy and "val_tokens = 262144 #" in copy
         assert "peer: needs CUDA, not run (its copy was made)" in warm["notes"]
-    if PEER.exists():
-        copy = (out / "warm" / "peer" / PEER.name).read_text()
-        assert "num_iterations = 1 #" in copy and "val_tokens = 262144 #" in copy
-        assert "peer: needs CUDA, not run (its copy was made)" in warm["notes"]
+
+
+def test_a_run_until_a_line_is_stopped_there(tmp_path):
+    """The warm phase's runs end at their first timed step (run_logged's until): at once, 'stopped'."""
+    code = "import time; print('Resetting Model', flush=True); print('step:1/9 train_time:5ms step_avg:5ms', " \
+           "flush=True); time.sleep(60)"
+    start = time.time()
+    status, lines, _ = gpu_proof.run_logged([sys.executable, "-c", code], str(tmp_path), dict(os.environ), 60,
+                                            str(tmp_path / "console.txt"), until=gpu_proof.STEP_RE)
+    assert status == "stopped" and time.time() - start < 30
+    assert [line for _, line in lines] == ["Resetting Model", "step:1/9 train_time:5ms step_avg:5ms"]
 
 
 def test_phases_run_in_the_order_given_and_report_in_reading_order(tmp_path):
@@ -651,6 +666,154 @@ def test_ours_and_the_record_are_compared_over_the_steps_both_reached():
     assert ours["steady_ms"] == pytest.approx(700 + 5 * 60)   # each its own window: 1000 / 940, 6% against ours
     text = gpu_proof.render_markdown(gpu_proof.build_report(phases, ["cmd"], False))
     assert "| steady ms/step (steps 20..26, both) | 930 | 940 |" in text
+
+
+def stage_log(steps, scale):
+    """A log of a 96-step run (12 of them the extension) cut at `steps`: each stage's steps cost
+    its own ms x scale, its first STAGE_SKIP steps 500 more (a recompile), steps up to STEADY_FROM
+    1000 more (the profile's window)."""
+    cost = {"1/3": 250, "2/3": 450, "3/3": 650, "extension": 700}
+    total, lines = 0.0, ["=" * 100, "step:0/96 val_loss:10.8258 train_time:0ms step_avg:0.01ms"]
+    for step in range(1, steps + 1):   # the line step:s ends step s - 1
+        name, first = next((name, first) for name, first, end in gpu_proof.run_stages(96, 12) if first < step <= end)
+        total += (scale * cost[name] + 500 * (step - first <= gpu_proof.STAGE_SKIP)
+                  + 1000 * (step <= gpu_proof.STEADY_FROM))
+        lines.append(f"step:{step}/96 train_time:{total:.0f}ms step_avg:{total / step:.2f}ms")
+    return "\n".join(lines), cost
+
+
+def test_steady_ms_per_stage_leaves_out_each_stages_first_steps_and_compares_over_steps_both_timed():
+    """The stages of 96 steps with 12 of extension are the thirds of the 84 scheduled (the record's
+    get_bs and get_ws, our schedules) and the extension; each stage's steady ms/step is its own
+    cost, its first steps and those before the steady window left out. The peer, cut at step 90,
+    is set against ours over the extension steps both timed, and the report has the table."""
+    text, cost = stage_log(96, 1.0)
+    ours = gpu_proof.parse_run_log(text, extension=12)
+    peer = gpu_proof.parse_run_log(stage_log(90, 1.1)[0], extension=12)
+    assert [(s["stage"], s["steps"]) for s in ours["stages"]] == [("1/3", [1, 28]), ("2/3", [29, 56]),
+                                                                   ("3/3", [57, 84]), ("extension", [85, 96])]
+    assert [s["timed"] for s in ours["stages"]] == [[20, 28], [32, 56], [60, 84], [88, 96]]
+    assert [s["ms"] for s in ours["stages"]] == pytest.approx(list(cost.values()), rel=2e-3)
+    assert peer["stages"][-1]["timed"] == [88, 90] and peer["stages"][-1]["ms"] == pytest.approx(770, rel=2e-3)
+    assert gpu_proof.parse_run_log(text)["steady_ms"] > 0 and "stages" not in gpu_proof.parse_run_log(text)
+    phases = {"train": fake_phase("train", values={"main": dict(ours, flags="--attn_backend varlen")}),
+              "peer": fake_phase("peer", values={"run": peer})}
+    comp = gpu_proof.compare_with_peer(phases)
+    assert [s["timed"] for s in comp["stages"]] == [[20, 28], [32, 56], [60, 84], [88, 90]]
+    assert [s["ratio"] for s in comp["stages"]] == pytest.approx([1 / 1.1] * 4, rel=3e-3)
+    assert comp["val_loss_start_ours"] == comp["val_loss_start_peer"] == 10.8258
+    text = gpu_proof.render_markdown(gpu_proof.build_report(phases, ["cmd"], False))
+    assert "(same GPU, same data; ours with `--attn_backend varlen`)" in text
+    assert "| 1/3 | 1..28 |  |  | 21..28 | 250 | 275 | 0.9091 |" in text
+    assert "| extension | 85..96 |  |  | 89..90 | 700 | 770 | 0.9091 |" in text
+    other = dict(peer, stages=peer["stages"][:2])   # other stages (another schedule): no stage table
+    assert gpu_proof.compare_with_peer({**phases, "peer": fake_phase("peer", values={"run": other})})["stages"] is None
+
+
+def test_timing_data_holds_what_every_run_packs(tmp_path):
+    """Neither loader goes past its shard's end (ours stops the run, the record's fails): the shard
+    holds the documents that packing takes for every step (8 micro-batches of the schedule's size
+    at world size 1) and for the record's warmup, and little more. Ours, which reads as the record
+    reads (tests/test_record_2026_data.py), fills every step and stops where packed_positions says."""
+    import dataclasses
+    import glob
+    import torch
+    from data.shards import read_header
+    tg = gpu_proof.import_trainer()
+    args = gpu_proof.speedrun_args(tg)
+    ctx = dict(out=str(tmp_path), steps=9, extension_steps=3, variant_steps=9, peer=None)
+    train, val, note = gpu_proof.timing_data(ctx, tg, args, gpu_proof.RUN_VAL_TOKENS)
+    run = dataclasses.replace(args, num_iterations=9, extension_steps=3)
+    lengths = [len(d) for d in gpu_proof.sample_documents()["train"]]
+    sizes = [tg.train_seq_len_at(step, run) for step in range(9) for _ in range(8)]
+    assert sorted(set(sizes)) == [16384, 32768, 49152]
+    warmup = [tg.train_seq_len_at(step, run) for step in tg.warmup_steps_at_transitions(run) for _ in range(8)]
+    batches = tg.PackedBatches(sorted(glob.glob(train)), args.train_max_doc_len, 0, 1, chunks_per_step=8)
+    try:
+        for size in sizes:
+            inputs, _ = batches.next_batch(torch.device("cpu"), size)
+            assert inputs.numel() == size
+        passed = batches._bos[batches._doc]   # where the next document starts: the tokens passed over
+    finally:
+        batches.close()
+    assert passed == gpu_proof.packed_positions(lengths, sizes, args.train_max_doc_len)
+    need = max(passed, gpu_proof.packed_positions(lengths, warmup, args.train_max_doc_len))
+    (shard,) = glob.glob(train)
+    assert need < read_header(shard) <= need + 65536 and f"{read_header(shard):,} train" in note
+    (val_shard,) = glob.glob(val)   # the record's warmup reads one validation micro-batch per warmup step
+    assert read_header(val_shard) > max(len(warmup) // 8, 8) * args.val_seq_len + gpu_proof.RUN_VAL_TOKENS
+
+
+@pytest.mark.skipif(not PEER_2026.exists(), reason="../shared/peers is absent")
+def test_the_2026_records_copy_makes_exactly_the_listed_edits_and_still_compiles(tmp_path):
+    """The default peer cannot run on CPU, so its copy is checked as text: each edit's old text
+    occurs once in the record and keeps its line count; the copy differs from the record only on
+    the listed edits' lines, which read as listed; FA3 from the hub is gone and torch's
+    varlen_attn gets the arguments FA3's two calls got (its window (W, 0) is causal); the
+    schedule, validation tokens and cadence are the run's; triton_kernels.py comes along; both
+    files still compile, and every dynamo setting the record makes exists here."""
+    import ast
+    import inspect
+    import uuid
+    import torch._dynamo
+    from torch.nn.attention.varlen import varlen_attn
+    original = PEER_2026.read_text()
+    for old, new in gpu_proof.peer_edits(original, "2026", 96, 12):
+        assert original.count(old) == 1 and old.count("\n") == new.count("\n"), old
+    assert gpu_proof.peer_kind(str(PEER_2026)) == "2026" and gpu_proof.peer_kind(str(PEER)) == "2025"
+    path, edits = gpu_proof.peer_copy(dict(peer=str(PEER_2026), peer_replace=[], out=str(tmp_path)), 96, 12)
+    assert Path(path) == tmp_path / "peer" / "train_gpt.py"
+    kernels = (tmp_path / "peer" / "triton_kernels.py").read_text()
+    assert kernels == (PEER_2026.parent / "triton_kernels.py").read_text()
+    copy = Path(path).read_text()
+    before_lines, after_lines = original.splitlines(), copy.splitlines()
+    assert len(before_lines) == len(after_lines) and len(edits) == 8
+    changed = {i + 1 for i, (a, b) in enumerate(zip(before_lines, after_lines)) if a != b}
+    listed = set()
+    for line, before, after in edits:
+        span = range(line, line + before.count("\n") + 1)
+        assert "\n".join(before_lines[span[0] - 1:span[-1]]) == before
+        assert "\n".join(after_lines[span[0] - 1:span[-1]]) == after
+        assert changed & set(span), (line, before)   # each listed edit changes something
+        listed |= set(span)
+    assert changed <= listed and [e[0] for e in edits] == sorted(e[0] for e in edits)
+    compile(copy, path, "exec")
+    compile(kernels, "triton_kernels.py", "exec")
+    tree = ast.parse(copy)
+    assert "get_kernel" not in copy and "flash_attn_interface" not in copy
+    assert not [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == "kernels"]
+    fa3 = [n for n in ast.walk(ast.parse(original)) if isinstance(n, ast.Call)
+           and ast.unparse(n.func) == "flash_attn_interface.flash_attn_varlen_func"]
+    ours = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and ast.unparse(n.func) == "varlen_attn"]
+    assert len(fa3) == len(ours) == 2
+    for call, replaced in zip(fa3, ours):
+        given = {k.arg: ast.unparse(k.value) for k in call.keywords}
+        assert given.pop("causal") == "True"
+        assert [ast.unparse(a) for a in replaced.args] == [ast.unparse(a) for a in call.args] + [
+            given["cu_seqlens_q"], given["cu_seqlens_k"], given["max_seqlen_q"], given["max_seqlen_k"]]
+        assert {k.arg: ast.unparse(k.value) for k in replaced.keywords} == {"scale": given["softmax_scale"],
+                                                                             "window_size": given["window_size"]}
+        assert given["window_size"] == "(bm_size, 0)"
+        inspect.signature(varlen_attn).bind(*replaced.args, **{k.arg: None for k in replaced.keywords})
+    assert "(W, 0) for causal attention with sliding window" in " ".join(inspect.getdoc(varlen_attn).split())
+    hyper = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Hyperparameters")
+    scope = {"uuid": uuid}   # the class alone, its values as its body computes them (num_iterations)
+    exec(ast.get_source_segment(copy, hyper), scope)
+    h = scope["Hyperparameters"]
+    assert (h.num_scheduled_iterations, h.num_extension_iterations, h.num_iterations) == (84, 12, 96)
+    assert h.val_tokens == gpu_proof.PEER_VAL_TOKENS["2026"] and h.val_tokens % h.val_batch_size == 0
+    assert h.val_loss_every == 96   # validation at step 0 and at the end, as ours
+    settings = [ast.unparse(n.targets[0]) for n in ast.walk(tree) if isinstance(n, ast.Assign)
+                and ast.unparse(n.targets[0]).startswith("dynamo.config.")]
+    assert settings and all(hasattr(torch._dynamo.config, s.split(".")[-1]) for s in settings)
+
+
+@pytest.mark.skipif(not PEER_2026.exists(), reason="../shared/peers is absent")
+def test_a_2026_peer_without_its_kernels_file_is_refused_in_one_line(tmp_path, capsys):
+    alone = tmp_path / "train_gpt.py"
+    shutil.copyfile(PEER_2026, alone)
+    err = parse_error(capsys, "--cpu-smoke", "--out", str(tmp_path / "out"), "--phases", "peer", "--peer", str(alone))
+    assert len(err.strip().splitlines()) == 1 and "triton_kernels.py must sit beside it" in err
 
 
 def fake_phase(name, status="ok", values=None):
@@ -796,13 +959,6 @@ def test_merge_keeps_the_main_runs_profile_beside_the_comparison(tmp_path):
     assert train["values"]["profile_ours"]["device_ms_per_step"]["GEMM (cuBLAS/CUTLASS)"][0] == 300.0
     profiles = [t for t in train["tables"] if t["title"].startswith("Profile of ours")]
     assert [t["rows"][0][1] for t in profiles] == [300.0, 310.0] and "compile_scope-blocks" in profiles[1]["title"]
-
-
-def test_peer_warmup_steps_shift_the_profile_window():
-    assert gpu_proof.peer_warmup_steps("x = 1\nwarmup_steps = 10\nfor _ in range(warmup_steps):\n") == 10
-    assert gpu_proof.peer_warmup_steps("    warmup_steps = 10  # indented: not the script's\n") is None
-    if PEER.exists():
-        assert gpu_proof.peer_warmup_steps(PEER.read_text()) == 10
 
 
 def test_merge_names_each_commands_code_when_a_fix_came_between(tmp_path):

@@ -1,6 +1,9 @@
-"""The data loader: windows start at BOS and follow the record's rule (a step's windows from one
-shard, shard tails dropped), ranks never overlap and together see exactly what one rank would
-see, running out of data and bad files give clear errors; the trainer's shard reader agrees with
+"""The data loaders. TrainBatches, the 2025 record's (--train_max_doc_len 0 --train_seq_len_schedule
+""): windows start at BOS and follow the record's rule (a step's windows from one shard, shard tails
+dropped), ranks never overlap and together see exactly what one rank would see. PackedBatches, the
+default (the 2026 record's, against its code in tests/test_record_2026_data.py): a shard too small
+for a step is passed over, a step's chunks may end exactly at a shard's end, as set-up's warnings
+say. Running out of data and bad files give clear errors; the trainer's shard reader agrees with
 data/shards.py."""
 
 import glob
@@ -13,6 +16,8 @@ import torch
 import train_gpt
 from harness import config as cfg
 from shards import BOS, write_shard
+
+BOS_WINDOWS = dict(train_max_doc_len=0, train_seq_len_schedule="")  # TrainBatches, the 2025 record's loader
 
 
 def reference_windows(shards, seq_len, windows_per_step):
@@ -90,7 +95,7 @@ def test_a_shard_too_small_for_a_step_is_passed_over(make_shards, tmp_path, size
     for inputs, (_, _, window) in zip(got, expected):
         assert torch.equal(inputs, torch.from_numpy(window[:-1]).long())
     # set-up names it in a warning, before anything starts
-    args = train_gpt.Hyperparameters(micro_batches=per_step, train_seq_len=seq_len, num_iterations=1)
+    args = train_gpt.Hyperparameters(micro_batches=per_step, train_seq_len=seq_len, num_iterations=1, **BOS_WINDOWS)
     assert cfg.data_shortfall(files, args) == [
         f"warning: 1 training shard(s) hold at most 1,537 tokens, too few for a step (2 x micro_batches x "
         f"train_seq_len + 1), and are passed over, the first {files[1]}"]
@@ -132,10 +137,78 @@ def test_a_step_whose_room_ends_exactly_at_the_shards_end_moves_to_the_next_shar
     for inputs, (_, _, window) in zip(got, expected):
         assert inputs.tolist() == window[:-1].tolist()
     assert len(got) == len(expected)
-    args = train_gpt.Hyperparameters(micro_batches=per_step, train_seq_len=seq_len, num_iterations=1)
+    args = train_gpt.Hyperparameters(micro_batches=per_step, train_seq_len=seq_len, num_iterations=1, **BOS_WINDOWS)
     assert cfg.data_shortfall(files, args) == [
         f"warning: 1 training shard(s) hold at most {room} tokens, too few for a step (2 x micro_batches x "
         f"train_seq_len + 1), and are passed over, the first {files[0]}"]
+
+
+def drain_packed(files, seq_len, per_step, max_doc_len=2048):
+    """Each chunk (seq_len + 1 tokens) a PackedBatches loader yields, at world size 1, and the loader."""
+    loader, chunks = train_gpt.PackedBatches(files, max_doc_len, 0, 1, chunks_per_step=per_step), []
+    try:
+        while True:
+            inputs, targets = loader.next_batch(torch.device("cpu"), seq_len)
+            chunks.append(torch.cat([inputs, targets[-1:]]))
+    except train_gpt.DataExhausted:
+        return chunks, loader
+    finally:
+        loader.close()
+
+
+@pytest.mark.parametrize("sizes", [(5_000, 600, 4_000), (5_000, 600)])
+def test_a_shard_too_small_for_a_packed_step_is_passed_over(make_shards, tmp_path, sizes):
+    """The default loader: a step's chunks come from one shard, so one holding fewer tokens than a
+    step's chunks (here 600 < 3 x 257) starts none; the stream is the one without it, the last
+    shard's too (then the data runs out at a step's end). set-up names it, by the loader's rule. A
+    shard without a BOS is passed over the same way."""
+    train_glob, _, _ = make_shards(train_sizes=sizes, max_len=150)
+    files = train_gpt.find_shards(train_glob, "training")
+    seq_len, per_step = 256, 3
+    got, loader = drain_packed(files, seq_len, per_step)
+    without, _ = drain_packed(files[:1] + files[2:], seq_len, per_step)
+    assert len(got) == len(without) > 3 * per_step and len(got) % per_step == 0 and loader.chunks_taken == len(got)
+    assert all(torch.equal(a, b) for a, b in zip(got, without))
+    args = train_gpt.Hyperparameters(micro_batches=per_step, train_seq_len=seq_len, train_seq_len_schedule="",
+                                     num_iterations=1)
+    assert cfg.data_shortfall(files, args) == [
+        f"warning: 1 training shard(s) hold at most 770 tokens, too few for a step (micro_batches x (train_seq_len "
+        f"+ 1) - 1), and are passed over, the first {files[1]}"]
+    no_bos = tmp_path / "nobos_train_000002.bin"
+    write_shard(no_bos, np.full(4_000, 13))
+    passed_over, _ = drain_packed([files[0], str(no_bos), files[-1]], seq_len, per_step)
+    left_out, _ = drain_packed([files[0], files[-1]], seq_len, per_step)
+    assert len(passed_over) == len(left_out) > 0 and all(torch.equal(a, b) for a, b in zip(passed_over, left_out))
+
+
+def test_a_packed_step_may_end_exactly_at_the_shards_end(tmp_path):
+    """The default loader's room is its chunks' tokens, nothing more: a step of 2 chunks of 9 tokens
+    (seq_len 8) fits in a shard of exactly 18 tokens, or in the last 18 tokens after the previous
+    step; 17 tokens start none, from a shard's start (its first chunk is dropped with the step) or
+    after a step. Every token but BOS differs, so a chunk says where it came from; data_shortfall
+    draws the loader's line (a shard of 17 tokens is too small, one of 18 is not)."""
+    seq_len, per_step = 8, 2
+    ids = iter(range(1, 1000))
+
+    def documents(*lengths):
+        return np.array([t for n in lengths for t in [BOS] + [next(ids) for _ in range(n - 1)]])
+    shards = [documents(9, 8),               # 17 tokens: a chunk, not a step
+              documents(4, 5, 9),            # exactly a step: two documents packed into a chunk, then one
+              documents(9, 9, 3, 6, 9),      # a step, then one that ends exactly at the shard's end
+              documents(9, 9, 9, 8),         # a step, then 17 tokens: the next step moves on
+              documents(*[9] * 4)]           # two steps
+    files = []
+    for i, tokens in enumerate(shards):
+        files.append(str(tmp_path / f"edge_train_{i:06d}.bin"))
+        write_shard(files[-1], tokens)
+    got, _ = drain_packed(files, seq_len, per_step, max_doc_len=16)
+    expected = [(1, 0), (1, 9), (2, 0), (2, 9), (2, 18), (2, 27), (3, 0), (3, 9)] + [(4, 9 * k) for k in range(4)]
+    assert [chunk.tolist() for chunk in got] == [shards[i][start:start + 9].tolist() for i, start in expected]
+    args = train_gpt.Hyperparameters(micro_batches=per_step, train_seq_len=seq_len, train_max_doc_len=16,
+                                     train_seq_len_schedule="", num_iterations=1)
+    assert cfg.data_shortfall(files, args) == [
+        f"warning: 1 training shard(s) hold at most 17 tokens, too few for a step (micro_batches x (train_seq_len "
+        f"+ 1) - 1), and are passed over, the first {files[0]}"]
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
@@ -157,12 +230,15 @@ def test_ranks_split_the_same_windows_without_overlap(make_shards, world_size):
     assert all(sb != sa or b - a >= seq_len for (sa, a), (sb, b) in zip(starts, starts[1:]))
 
 
-def test_running_out_of_data_says_what_to_do(make_shards):
+@pytest.mark.parametrize("packed", [True, False])
+def test_running_out_of_data_says_what_to_do(make_shards, packed):
     train_glob, _, _ = make_shards(train_sizes=(2_000,))
-    loader = train_gpt.TrainBatches(train_gpt.find_shards(train_glob, "training"), 256, 0, 1)
+    files = train_gpt.find_shards(train_glob, "training")
+    loader = train_gpt.PackedBatches(files, 2048, 0, 1) if packed else train_gpt.TrainBatches(files, 256, 0, 1)
     with pytest.raises(train_gpt.DataExhausted) as err:
         for _ in range(100):
-            loader.next_batch(torch.device("cpu"), loader.seq_len)
+            loader.next_batch(torch.device("cpu"), 256)
+    loader.close()
     assert "cached_fineweb10B.py" in str(err.value) and "\n" not in str(err.value)
 
 

@@ -1,5 +1,6 @@
-"""The GPT: shapes, the initial loss, which parameters train, the value-embedding pattern, the
-FP8 head against a full-precision reference."""
+"""The GPT: shapes, the initial loss, which parameters train, the block layouts (the speedrun's, the
+2026-01-19 record's, and the 2025-08-23 record's, still options), the FP8 head against a
+full-precision reference."""
 
 import math
 import subprocess
@@ -12,6 +13,19 @@ import torch.nn.functional as F
 import train_gpt
 from harness import config as cfg
 from conftest import ROOT, TINY
+
+# The speedrun's blocks (the 2026-01-19 record's 11), at TINY's width
+SPEEDRUN_LAYOUT = {name: getattr(train_gpt.Hyperparameters, name) for name in (
+    "num_layers", "window_pattern", "attention_free_layers", "num_value_embeds", "value_embed_layers",
+    "paired_head_layers", "skip_layers", "backout_layer")}
+# The 2025-08-23 record's model and optimizer table: U-net skips, v_lambdas, a zero head, 2025's rotary
+# and cap, no bigram table, smear, backout, value gates, key offset or paired heads; its 12 blocks
+RECORD_2025 = dict(init="2025", yarn=False, value_gates=False, key_offset=False, paired_head_layers="", skip_layers="",
+                   backout_layer=-1, bigram_vocab_size=0, smear=False, token_windows=False, logit_cap_height=0.0,
+                   logit_cap_shift=0.0, mtp=False, value_embed_layers="", resid_lambda_init=1.0, attn_scale=0.12,
+                   bf16_weights=False, adam_table="2025", window_schedule="", window_final_blocks=0,
+                   window_validate_final_blocks=0)
+LAYOUT_2025 = dict(num_layers=12, window_pattern="LSSSLSSLSSSL", attention_free_layers="7", num_value_embeds=3)
 
 
 def tiny_model(**overrides):
@@ -36,20 +50,26 @@ def test_logits_and_loss_shapes():
     window = torch.tensor(2)
     logits = model(inputs, None, window)
     assert logits.shape == (args.train_seq_len, args.vocab_size) and logits.dtype == torch.float32
-    # the soft cap bounds logits to (0, 2*cap)
-    assert logits.min() >= 0 and logits.max() <= 2 * args.logit_softcap
+    # the soft cap bounds logits to (0, height): 23 (the 2026 record's), 2 x logit_softcap in 2025
+    assert logits.min() >= 0 and logits.max() <= args.logit_cap_height
     loss = model(inputs, targets, window)
     assert loss.shape == () and loss.dtype == torch.float32
 
 
-def test_initial_loss_is_log_vocab_summed_in_training_and_averaged_in_eval():
-    model, args = tiny_model()
+@pytest.mark.parametrize("init", ["2025", "2026"])
+def test_initial_loss_is_log_vocab_summed_in_training_and_averaged_in_eval(init):
+    model, args = tiny_model(init=init)
     inputs, targets = random_tokens(args.train_seq_len)
-    # zero-initialized head: every logit equals the cap, the prediction is uniform
     summed = model(inputs, targets, torch.tensor(4))
-    assert summed.item() == pytest.approx(args.train_seq_len * math.log(args.vocab_size), rel=1e-5)
     model.eval()
-    assert model(inputs, targets, torch.tensor(4)).item() == pytest.approx(math.log(args.vocab_size), abs=1e-5)
+    mean = model(inputs, targets, torch.tensor(4)).item()
+    assert summed.item() == pytest.approx(args.train_seq_len * mean, rel=1e-6)
+    # 2025: a zero head, every logit equals the cap, the prediction is uniform. 2026: the head
+    # N(0, 0.005) (and the embedding its copy): near uniform, not exactly
+    if init == "2025":
+        assert mean == pytest.approx(math.log(args.vocab_size), abs=1e-5)
+    else:
+        assert 1e-4 < abs(mean - math.log(args.vocab_size)) < 1e-2
 
 
 def test_validation_loss_in_chunks_equals_the_unchunked_mean(monkeypatch):
@@ -80,9 +100,8 @@ def test_gradients_reach_every_parameter():
         assert p.grad.abs().sum() > 0, f"{name} got a zero gradient"
 
 
-def test_architecture_layout():
-    model, args = tiny_model(num_layers=12, window_pattern="LSSSLSSLSSSL", attention_free_layers="7",
-                             num_value_embeds=3)
+def test_architecture_layout_2025():
+    model, args = tiny_model(**RECORD_2025, **LAYOUT_2025)
     assert model.value_embed_of_layer == [0, 1, 2, None, None, None, None, None, None, 0, 1, 2]
     assert [b.attn is None for b in model.blocks] == [i == 7 for i in range(12)]
     assert model.skip_weights.shape == (6,)
@@ -98,18 +117,57 @@ def test_architecture_layout():
     assert torch.count_nonzero(model.lm_head_w) == 0
 
 
-def test_param_specs_cover_each_parameter_once():
-    model, args = tiny_model()
+def test_architecture_layout():
+    """The speedrun's 11 blocks (the record's, P's parameter shapes in tests/test_record_preset.py):
+    value embeddings 1, 2 into the first two blocks and 0, 1, 2 into the last three, block 6 without
+    attention, one gated skip 3 -> 6, paired heads in 0, 2, 5, 9, the key offset in the long-window
+    blocks; each block starts as the identity (zero output projections), the head small and random
+    with the embedding its copy, the value and bigram embeddings zero."""
+    model, args = tiny_model(**SPEEDRUN_LAYOUT)
+    L = args.num_layers
+    assert model.value_embed_of_layer == [1, 2, None, None, None, None, None, None, 0, 1, 2]
+    assert [b.attn is None for b in model.blocks] == [i == 6 for i in range(L)]
+    assert not hasattr(model, "skip_weights") and model.skip_layers == [3, 6] and model.skip_lambda.item() == -1.5
+    assert [b.attn.paired for b in model.blocks if b.attn] == [i in (0, 2, 5, 9) for i in range(L) if i != 6]
+    assert [b.attn.key_offset for b in model.blocks if b.attn] == [i in (3, 10) for i in range(L) if i != 6]
+    for i, b in enumerate(model.blocks):
+        if b.attn is not None:
+            assert b.attn.qkvo_w.shape == (4, args.model_dim, args.model_dim)
+            assert torch.count_nonzero(b.attn.qkvo_w[3]) == 0
+            assert b.attn.sa_lambdas.tolist() == [0.5, 1.0] and not hasattr(b.attn, "v_lambdas")
+            assert (b.attn.ve_gate_w is not None) == (model.value_embed_of_layer[i] is not None)
+        assert b.mlp.fc_w.shape == b.mlp.proj_w.shape == (args.model_dim, 4 * args.model_dim)
+        assert torch.count_nonzero(b.mlp.proj_w) == 0
+    assert 0.004 < model.lm_head_w.float().std().item() < 0.006
+    assert torch.equal(model.embed.weight, model.lm_head_w.to(model.embed.weight.dtype))
+    for embedding in (*model.value_embeds, model.bigram_embed):
+        assert torch.count_nonzero(embedding.weight) == 0
+
+
+@pytest.mark.parametrize("table", ["2025", "2026"])
+def test_param_specs_cover_each_parameter_once(table):
+    model, args = tiny_model(**(RECORD_2025 if table == "2025" else {}))
     specs = train_gpt.param_specs(model, args)
     assert sorted(id(s.param) for s in specs) == sorted(id(p) for p in model.parameters())
     by_name = {s.name: s for s in specs}
-    assert by_name["embed.weight"].optimizer == "adam" and by_name["embed.weight"].lr_mult == args.embed_lr_mult
-    assert by_name["lm_head_w"].group == "head"
     assert by_name["blocks.0.attn.qkvo_w"].optimizer == "muon"
     assert by_name["blocks.0.mlp.fc_w"].optimizer == "muon"
-    assert by_name["blocks.0.attn.gate_w"].optimizer == "muon"
-    assert by_name["blocks.0.attn.v_lambdas"].group == "scalar"
-    assert by_name["skip_weights"].group == "scalar"
+    assert by_name["lm_head_w"].group == "head"
+    if table == "2025":
+        assert by_name["embed.weight"].optimizer == "adam" and by_name["embed.weight"].lr_mult == args.embed_lr_mult
+        assert by_name["blocks.0.attn.gate_w"].optimizer == "muon"
+        assert by_name["blocks.0.attn.v_lambdas"].group == "scalar"
+        assert by_name["skip_weights"].group == "scalar"
+        return
+    # the 2026 record's: Adam's betas and multipliers by kind (ADAM_2026), the gates on Adam too
+    for name, kind in [("embed.weight", "embed"), ("lm_head_w", "head"), ("value_embeds.0.weight", "value_embed"),
+                       ("bigram_embed.weight", "value_embed"), ("blocks.0.attn.gate_w", "gate"),
+                       ("blocks.0.attn.ve_gate_w", "gate"), ("blocks.0.x0_lambda", "x0_lambda"),
+                       ("blocks.0.attn.sa_lambdas", "scalar"), ("skip_gate", "skip_gate"), ("smear_gate", "smear_gate")]:
+        spec = by_name[name]
+        assert (spec.optimizer, spec.group, *spec.betas, spec.lr_mult, spec.wd_mult) == ("adam", kind,
+                                                                                      *train_gpt.ADAM_2026[kind]), name
+    assert by_name["blocks.0.mlp.proj_w"].lr_mult == args.mlp_proj_lr_mult == 2.0
 
 
 def test_rotary_rotates_half_the_dimensions():
@@ -141,7 +199,8 @@ print(max(np.abs(rotary.cos.numpy() - np.cos(theta)).max(), np.abs(rotary.sin.nu
 
 @pytest.mark.slow
 def test_rotary_tables_are_exact_in_every_process():
-    """The cpu preset's tables in fresh processes, each making its first vectorized cos and sin
+    """The 2025 rotary's fp32 tables (--yarn false; YaRN's are bf16, coarser than the race's error)
+    at the cpu preset's sizes in fresh processes, each making its first vectorized cos and sin
     there: without the one-element call before them, 1 to 4 processes in 10 (2-core Xeon,
     torch 2.13.0+cpu) had cos errors of 1.5e-4 in the second thread's half of the table: a race,
     so the old code failed this test often (3 of 4 tries), not always."""
@@ -153,9 +212,10 @@ def test_rotary_tables_are_exact_in_every_process():
 
 
 def test_window_schedule_is_the_records_rule():
-    """The record: window_size = next_multiple_of_n(1728 * x, n=128), x = step / 1695, i.e. the
-    smallest multiple of 128 that is >= 1728x, and at least 128."""
-    args = train_gpt.Hyperparameters()
+    """The 2025 record's grown windows (--window_schedule ""): window_size =
+    next_multiple_of_n(1728 * x, n=128), x = step / 1695, i.e. the smallest multiple of 128 that is
+    >= 1728x, and at least 128. (The 2026 record's: tests/test_record_2026_schedules.py.)"""
+    args = train_gpt.Hyperparameters(window_schedule="", num_iterations=1695, extension_steps=0)
     blocks = [train_gpt.long_window_blocks_at(s, args) for s in range(args.num_iterations + 1)]
     assert blocks[0] == 1 and blocks[-1] == 14
     for step, b in enumerate(blocks):
@@ -240,11 +300,10 @@ def test_fp8_head_is_close_to_full_precision_and_only_used_in_training():
 @pytest.mark.slow
 def test_compiled_blocks_stay_compiled_for_training_and_validation():
     """The speedrun layout has ~12 block variants (attention or not, value embedding or not, long
-    or short window, block 0, training or validation); dynamo must not fall back to eager."""
+    or short window, paired heads or not, training or validation); dynamo must not fall back to eager."""
     import torch._dynamo
     from torch._dynamo.utils import counters
-    model, args = tiny_model(num_layers=12, window_pattern="LSSSLSSLSSSL", attention_free_layers="7",
-                             num_value_embeds=3, val_seq_len=256)
+    model, args = tiny_model(**SPEEDRUN_LAYOUT, val_seq_len=256)
     torch._dynamo.reset()
     counters.clear()
     try:
@@ -275,11 +334,10 @@ def test_whole_model_compiles_to_one_graph_for_training_and_one_for_validation(l
     import torch._dynamo
     from torch._dynamo.utils import counters
     dtype, attention, *fp8 = layout.split()
-    # the speedrun's 12 blocks in fp32; CUDA's dtype and FP8 head on TINY's 4 blocks and 32 tokens (the head
+    # the speedrun's 11 blocks in fp32; CUDA's dtype and FP8 head on TINY's 4 blocks and 32 tokens (the head
     # is what differs; torch._scaled_mm on a CPU can be a scalar loop)
     model, args = (tiny_model(val_seq_len=256, train_seq_len=32) if fp8 else
-                   tiny_model(num_layers=12, window_pattern="LSSSLSSLSSSL", attention_free_layers="7",
-                              num_value_embeds=3, val_seq_len=256))
+                   tiny_model(**SPEEDRUN_LAYOUT, val_seq_len=256))
     model.hw = dataclasses.replace(model.hw, compute_dtype=getattr(torch, {"bf16": "bfloat16"}.get(dtype, "float32")),
                                    attention=attention, fp8_head=bool(fp8))
     if fp8:
@@ -441,10 +499,12 @@ def test_fp8_op_bodies_are_captured_once(monkeypatch):
     assert loss.item() == pytest.approx(eager.item(), rel=1e-6)
 
 
-def test_gradient_communication_starts_with_the_head():
+@pytest.mark.parametrize("table", ["2025", "2026"])
+def test_gradient_communication_starts_with_the_head(table):
     """Units launch in the order backward finishes their gradients: the head first, then the
-    blocks from the last to the first, the embeddings last."""
-    model, args = tiny_model()
+    blocks from the last to the first, the embeddings last (2026: with the bigram table, and the
+    scalars that share betas with block 0's, in one unit)."""
+    model, args = tiny_model(**(RECORD_2025 if table == "2025" else {}))
     specs = train_gpt.param_specs(model, args)
     optimizer = train_gpt.ShardedMuonAdam(specs, args, train_gpt.Ranks(0, 0, 2, 2), model.hw)
     names = {id(s.param): s.name for s in specs}
@@ -453,11 +513,18 @@ def test_gradient_communication_starts_with_the_head():
     def first_use(name):  # the block whose forward first reads the parameter
         if name.startswith("blocks."):
             return int(name.split(".")[1])
-        return {"lm_head_w": args.num_layers, "skip_weights": args.num_layers // 2}.get(name, -1)
+        return {"lm_head_w": args.num_layers, "backout_lambda": args.num_layers, "skip_weights": args.num_layers // 2,
+                "skip_gate": 3, "skip_lambda": 3}.get(name, -1)  # (TINY's skip 0 -> 3)
     positions = [min(first_use(n) for n in unit) for unit in launched]
     assert launched[0] == ["lm_head_w"]
     assert positions == sorted(positions, reverse=True)
-    assert sorted(sum(launched[-2:], [])) == ["embed.weight", "value_embeds.0.weight"]
+    embeddings = ["embed.weight", "value_embeds.0.weight"] + ["bigram_embed.weight"] * (table == "2026")
+    if table == "2025":
+        assert sorted(sum(launched[-2:], [])) == embeddings
+    else:
+        last = [unit for unit, position in zip(launched, positions) if position == -1]
+        assert last == launched[-len(last):] and set(embeddings) < set(sum(last, []))
+        assert all(len(unit) == 1 for unit in last if set(unit) & set(embeddings))
 
 
 def test_fp8_weight_gradient_in_the_records_orientation_is_ours_transposed_in_memory():

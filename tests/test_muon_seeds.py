@@ -4,13 +4,22 @@ written out here from its text (the seeds are read, not imported):
   003 Optimisers.jl's Muon: 1-D arrays, embeddings and heads go to the fallback optimizer, and a
       learning-rate change keeps the ratio of the fallback's lr to Muon's;
   004 Moonlight's Muon: update scaled by 0.2*sqrt(max(rows, cols)), used with the AdamW lr.
-The formulas are restated in the docstrings, so these tests run where ../shared is absent."""
+The formulas are restated in the docstrings, so these tests run where ../shared is absent. The
+seeds' Muon is plain Muon: MUON_2025 (the 2025-08-23 record's options) is the base each seed's
+options are set on; the speedrun's (the 2026 record's) NorMuon is tests/test_record_2026_optim.py's."""
 
 import pytest
 import torch
 
 import train_gpt
 from conftest import perturbed_tiny_model
+
+
+# The 2025-08-23 record's Muon: Newton-Schulz, max(1, rows/cols)^0.5, no NorMuon or decay; its Adam table
+# leaves the attention gates to Muon; fp32 weights.
+MUON_2025 = dict(adam_table="2025", ns_method="newton_schulz", muon_update_scale="record", normuon=False,
+                 weight_decay=0.0, muon_decay="lr", cautious_wd=False, mlp_proj_lr_mult=1.0, muon_lr=0.05,
+                 bf16_weights=False)
 
 
 def tiny_setup(**overrides):
@@ -43,8 +52,8 @@ def seed004_moonlight_step(p, g, lr, wd, momentum, ns):
 
 
 def test_moonlight_update_scale_is_seed_004s():
-    args, hw, model, specs = tiny_setup(muon_update_scale="moonlight", adam_lr=0.01, muon_lr=0.5,
-                                        weight_decay=0.1)
+    args, hw, model, specs = tiny_setup(**dict(MUON_2025, muon_update_scale="moonlight", adam_lr=0.01, muon_lr=0.5,
+                                               weight_decay=0.1))
     muon = [s for s in specs if s.optimizer == "muon"]
     assert {tuple(s.param.shape[-2:]) for s in muon} >= {(32, 32), (32, 128), (2, 12)}  # square, wide, gate
     before = {s.name: s.param.detach().clone() for s in specs}
@@ -60,7 +69,8 @@ def test_moonlight_update_scale_is_seed_004s():
 
 
 def test_update_scale_factors():
-    """The factor per matrix under each rule; record stays the speedrun's max(1, rows/cols)^0.5."""
+    """The factor per matrix under each rule: record is the 2025 speedrun's max(1, rows/cols)^0.5, aspect
+    the 2026 record's (long side / short side)^0.5."""
     for rule, shape, factor in [("record", (768, 3072), 1.0), ("record", (3072, 768), 2.0),
                                 ("moonlight", (768, 3072), 0.2 * 3072 ** 0.5),
                                 ("moonlight", (3072, 768), 0.2 * 3072 ** 0.5),
@@ -73,18 +83,23 @@ def test_update_scale_factors():
 
 # --- seed 003: what goes to the fallback optimizer, and the lr ratio ---------------------------
 
-def test_fallback_rule_is_seed_003s():
+@pytest.mark.parametrize("adam_table", ["2025", "2026"])
+def test_fallback_rule_is_seed_003s(adam_table):
     """Seed 003: 'Muon is used for the internal layer >2D weights, and AdamW is used for the 1D
-    weights, embeddings, and heads'; adjust!(state, eta) sets Muon's lr to eta and the fallback's
-    to eta * (fallback lr / Muon lr), 'preserving their ratio'. Here the schedule's lr factor
-    multiplies both optimizers' learning rates, so every step keeps the ratio."""
-    args, hw, model, specs = tiny_setup(bf16_embeds=False)  # fp32 throughout: deltas compare exactly
+    weights, embeddings, and heads' (the 2026 record's table gives Adam the attention gates too);
+    adjust!(state, eta) sets Muon's lr to eta and the fallback's to eta * (fallback lr / Muon lr),
+    'preserving their ratio'. Here the schedule's lr factor multiplies both optimizers' learning
+    rates, so every step keeps the ratio (the weight decays, which scale with lr^2, off)."""
+    args, hw, model, specs = tiny_setup(adam_table=adam_table, bf16_embeds=False, bf16_weights=False,  # fp32 throughout:
+                                        weight_decay=0.0, adam_weight_decay=0.0)  # deltas compare exactly
     by_param = {id(s.param): s for s in specs}
-    embeddings = {id(p) for p in model.embed.parameters()} | {id(p) for p in model.value_embeds.parameters()}
+    embeddings = {id(p) for e in (model.embed, model.value_embeds, model.bigram_embed) for p in e.parameters()}
     for name, p in model.named_parameters():
         s = by_param[id(p)]
-        fallback = p.ndim < 2 or id(p) in embeddings or p is model.lm_head_w
+        fallback = p.ndim < 2 or id(p) in embeddings or p is model.lm_head_w or (
+            adam_table == "2026" and name.endswith("gate_w"))
         assert s.optimizer == ("adam" if fallback else "muon"), name
+    assert any(name.endswith("gate_w") for name, p in model.named_parameters() if p.ndim == 2)
     assert any(s.optimizer == "muon" for s in specs) and any(p.ndim < 2 for p in model.parameters())
 
     start = {s.name: s.param.detach().clone() for s in specs}
@@ -154,8 +169,8 @@ def test_normuon_and_cautious_decay_step_against_seed_001():
     (the MLP's, the gate, the square attention ones; lr factor 1) lands where seed 001's formula
     puts it. The seed multiplies the weight decay by max(1, rows/cols)^0.5 too; we do not, which
     would matter only for tall matrices, and this model has none."""
-    args, hw, model, specs = tiny_setup(normuon=True, normuon_beta2=0.9, weight_decay=0.5, cautious_wd=True,
-                                        muon_lr=0.03)
+    args, hw, model, specs = tiny_setup(**dict(MUON_2025, normuon=True, normuon_beta2=0.9, weight_decay=0.5,
+                                               cautious_wd=True, muon_lr=0.03))
     muon = [s for s in specs if s.optimizer == "muon"]
     assert all(s.param.shape[-2] <= s.param.shape[-1] for s in muon)
     before = {s.name: s.param.detach().clone() for s in specs}

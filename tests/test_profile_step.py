@@ -161,6 +161,29 @@ def test_profiles_another_script_by_its_optimizer_steps(tmp_path):
     assert missing.returncode == 2 and "--script" in missing.stderr and "no such file" in missing.stderr
 
 
+def test_profiles_another_script_by_its_step_lines(tmp_path):
+    """--steps-by log: a script whose optimizer is no torch.optim one (the 2026 record's) is counted
+    by its console's step lines, the speedrun's format: the window holds steps A+1..B exactly. The
+    script finds the module beside it by name, as under `python script`."""
+    (tmp_path / "helper.py").write_text("def work(x):\n    return x @ x\n")
+    script = tmp_path / "record_like.py"
+    script.write_text(
+        "import torch\n"
+        "from helper import work\n"
+        "print('Compiling model and warming up kernels')\n"
+        "x = torch.randn(32, 32)\n"
+        "for step in range(1, 6):\n"
+        "    with torch.profiler.record_function(f'work{step}'):\n"
+        "        work(x)\n"
+        "    print(f'step:{step}/5 train_time:{10 * step}ms step_avg:10.00ms')\n")
+    out = tmp_path / "prof"
+    stdout, _ = profile(out, "--steps", "1:3", "--steps-by", "log", "--script", str(script), timeout=120)
+    assert "steps 2..3 written" in stdout and "step:5/5 train_time:50ms" in stdout
+    assert json.loads((out / "profile.json").read_text())["steps_by"] == "log"
+    names = {e.get("name", "") for e in json.load(gzip.open(out / "trace.json.gz"))["traceEvents"]}
+    assert {"work2", "work3"} <= names and not names & {"work1", "work4", "work5"}
+
+
 def test_kernel_families_by_name():
     family = profile_step.kernel_category
     assert family("_poly_apply_kernel") == "orthogonalization (Triton)"

@@ -172,13 +172,13 @@ def test_a_resumed_loader_continues_the_stream_from_a_steps_start(tmp_path, worl
 def test_a_batch_schedule_without_packed_documents_is_refused_in_one_line():
     config = train_gpt.harness("config")
     with pytest.raises(train_gpt.ConfigError) as error:
-        config.parse_config(["--preset=cpu", "--train_seq_len_schedule=512,1024"], {}, world_size=1,
-                            cuda_available=False)
+        config.parse_config(["--preset=cpu", "--train_max_doc_len=0", "--train_seq_len_schedule=512,1024"], {},
+                            world_size=1, cuda_available=False)
     assert str(error.value) == ("--train_seq_len_schedule='512,1024': needs packed documents (--train_max_doc_len, "
                                 "e.g. 2048): windows from a BOS keep one length")
     with pytest.raises(train_gpt.ConfigError, match=r"^--train_seq_len_schedule='512,1000': each length must be a "
                                                     r"multiple of attn_block_size=64$"):
-        config.parse_config(["--preset=cpu", "--train_seq_len_schedule=512,1000", "--train_max_doc_len=256"], {},
+        config.parse_config(["--preset=cpu", "--train_seq_len_schedule=512,1000"], {},  # (packed: the preset's)
                             world_size=1, cuda_available=False)
 
 
@@ -210,7 +210,7 @@ def test_set_up_judges_the_shards_stage_by_stage_of_a_batch_schedule(tmp_path):
     only where no shard has room for the first stage's step is it an error."""
     config = train_gpt.harness("config")
     files, _ = shards_in(tmp_path, [300, 700, 5_000])
-    args = train_gpt.Hyperparameters(micro_batches=4, train_max_doc_len=96, num_iterations=6,
+    args = train_gpt.Hyperparameters(micro_batches=4, train_max_doc_len=96, num_iterations=6, extension_steps=0,
                                      train_seq_len_schedule="64,128,256")  # rooms 259, 515, 1027
     assert config.data_shortfall(files, args) == [
         f"warning: 1 training shard(s) hold at most 515 tokens, too few for a step from step 2 (train_seq_len 128) "

@@ -1,6 +1,7 @@
 """The port to the record of 2026-01-19: its model's pieces against restatements of the record's
 code (../shared/peers/modded-nanogpt_93f0e6b9/train_gpt.py, lines named beside each), in fp32 on
-CPU. Until the speedrun preset becomes that record, each piece is an option (docs/port-2026-01-19.md)."""
+CPU. The speedrun preset (the defaults) is that record; the 2025-08-23 record's pieces remain options
+(TINY_2025 below names them)."""
 
 import dataclasses
 import math
@@ -10,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import train_gpt
+from conftest import TINY
 from test_record_2026_data import record_bigram_hash
 
 BLOCK = 128  # the record's block_size, in which its windows count
@@ -205,13 +207,15 @@ def test_attention_is_the_records(kind):
 
 # --- the whole model (P 1073-1301) ------------------------------------------------------------------
 
-RECORD_MODEL = dict(  # the record's architecture at width 64 (4 heads of 16), windows in blocks of 8 tokens
-    preset="cpu", num_layers=11, model_dim=64, num_heads=4, head_dim=16, attention_free_layers="6",
-    window_pattern="SSSLSSSSSSL", paired_head_layers="0,2,5,9", num_value_embeds=3, value_embed_layers="12......012",
-    skip_layers="3,6", backout_layer=7, bigram_vocab_size=1000, smear=True, resid_lambda_init=1.1, init="2026",
-    yarn=True, value_gates=True, key_offset=True, token_windows=True, logit_cap_height=23.0, logit_cap_shift=5.0,
-    mtp=True, attn_scale=0.1, attn_block_size=8, bf16_embeds=False, fp8_head=False, compile=False,
-    train_seq_len=128, val_seq_len=128,
+RECORD_ARCHITECTURE = dict(  # the record's, which the defaults are (checked below)
+    num_layers=11, attention_free_layers="6", window_pattern="SSSLSSSSSSL", paired_head_layers="0,2,5,9",
+    num_value_embeds=3, value_embed_layers="12......012", skip_layers="3,6", backout_layer=7, smear=True,
+    resid_lambda_init=1.1, init="2026", yarn=True, value_gates=True, key_offset=True, token_windows=True,
+    logit_cap_height=23.0, logit_cap_shift=5.0, mtp=True, attn_scale=0.1,
+)
+RECORD_MODEL = dict(  # that architecture at width 64 (4 heads of 16), windows in blocks of 8 tokens, in fp32
+    preset="cpu", model_dim=64, num_heads=4, head_dim=16, bigram_vocab_size=1000, attn_block_size=8,
+    bf16_embeds=False, bf16_weights=False, fp8_head=False, compile=False, train_seq_len=128, val_seq_len=128,
 )
 
 
@@ -298,6 +302,7 @@ def test_the_model_is_the_records_loss_and_gradients():
     the training loss (three multi-token weights) and every parameter's gradient, the validation
     loss; the initializations the record's (P 1128-1197) where they are exact (zeros, copies)."""
     args = train_gpt.Hyperparameters(**RECORD_MODEL)
+    assert {k: getattr(args, k) for k in RECORD_ARCHITECTURE} == RECORD_ARCHITECTURE
     train_gpt.harness("config").check_config(args, 1, False)
     hw = train_gpt.Hardware.detect(args)
     torch.manual_seed(0)
@@ -340,14 +345,12 @@ def test_the_model_is_the_records_loss_and_gradients():
     torch.testing.assert_close(ours, record, rtol=1e-5, atol=0)
 
 
-@pytest.mark.parametrize("options", ["speedrun", "record 2026", "record 2026 without smear"])
+@pytest.mark.parametrize("options", ["record 2025", "record 2026", "record 2026 without smear"])
 def test_bf16_activations_stay_bf16(options):
     """On a GPU the residual stream is bf16: no fp32 parameter may promote it (a (1,)-shaped fp32
     scalar times a bf16 tensor is fp32; a 0-dim one keeps bf16). Checked on CPU with the GPU's
     compute dtype: every block's input and output, and the logits, are bf16."""
-    config = dict(TINY_2026 if options != "speedrun" else TINY_2025, smear=options == "record 2026")
-    if options == "speedrun":
-        config.pop("smear")
+    config = TINY_2025 if options == "record 2025" else dict(TINY, smear=options == "record 2026")
     args = train_gpt.Hyperparameters(**config)
     hw = dataclasses.replace(train_gpt.Hardware.detect(args), compute_dtype=torch.bfloat16)
     model = train_gpt.GPT(args, hw)
@@ -362,18 +365,21 @@ def test_bf16_activations_stay_bf16(options):
     assert logits.dtype == torch.float32  # the capped logits, in fp32 for the loss
 
 
+# The 2025-08-23 record's model at 4 blocks of width 32: its option values, where the defaults (the
+# 2026 record's; conftest's TINY at this size) differ.
 TINY_2025 = dict(preset="cpu", num_layers=4, model_dim=32, num_heads=2, head_dim=16, attention_free_layers="2",
-                 num_value_embeds=1, window_pattern="LSSL", attn_block_size=16, train_seq_len=64, val_seq_len=64,
-                 fp8_head=False, compile=False)
-TINY_2026 = dict(TINY_2025, yarn=True, value_gates=True, key_offset=True, token_windows=True, paired_head_layers="0",
-                 value_embed_layers="0..0", bigram_vocab_size=300, skip_layers="0,3", backout_layer=1, init="2026",
-                 resid_lambda_init=1.1, logit_cap_height=23.0, logit_cap_shift=5.0, attn_scale=0.1, bf16_weights=True)
+                 num_value_embeds=1, value_embed_layers="", window_pattern="LSSL", attn_block_size=16,
+                 train_seq_len=64, val_seq_len=64, fp8_head=False, compile=False, yarn=False, value_gates=False,
+                 key_offset=False, token_windows=False, paired_head_layers="", bigram_vocab_size=0, smear=False,
+                 skip_layers="", backout_layer=-1, init="2025", resid_lambda_init=1.0, logit_cap_height=0.0,
+                 logit_cap_shift=0.0, attn_scale=0.12, mtp=False, bf16_weights=False)
 
 
 def test_fp8_head_scales_are_the_records():
     # lm_head = CastedLinearT(..., x_s=100/448, w_s=1.6/448, grad_s=0.75/448) (P 1165)
     assert train_gpt.fp8_head_scales(768, "2026") == (100 / 448, 1.6 / 448, 0.75 / 448)
-    args = train_gpt.Hyperparameters(**dict(TINY_2026, fp8_scales="2026"))
+    args = train_gpt.Hyperparameters(**TINY)  # the default scales
+    assert args.fp8_scales == "2026"
     assert train_gpt.GPT(args, train_gpt.Hardware.detect(args)).fp8_scales == (100 / 448, 1.6 / 448, 0.75 / 448)
 
 
@@ -433,10 +439,10 @@ def test_the_fused_loss_kernels_and_their_twin_are_the_records(weights):
 
 def test_the_model_runs_the_fused_loss_where_asked():
     """--ce_backend triton: the model's training loss and gradients through the kernels equal the
-    twin's (the tiny 2026 model, 16 positions: the interpreter is slow over 50304 columns)."""
+    twin's (conftest's TINY model, 16 positions: the interpreter is slow over 50304 columns)."""
     results = {}
     for backend in ("torch", "triton"):
-        args = train_gpt.Hyperparameters(**dict(TINY_2026, mtp=True, ce_backend=backend, train_seq_len=16,
+        args = train_gpt.Hyperparameters(**dict(TINY, ce_backend=backend, train_seq_len=16,
                                                 attn_block_size=8, bf16_weights=False))  # fp32: equal to 1e-5
         hw = train_gpt.Hardware.detect(args)
         assert hw.ce_backend == backend

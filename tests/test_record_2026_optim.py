@@ -49,8 +49,8 @@ def record_adam_step(p, g, state, betas, lr, wd_mul):
 
 
 def model_and_specs(**overrides):
-    args = train_gpt.Hyperparameters(**dict(RECORD_MODEL, adam_table="2026", adam_weight_decay=ADAM_WD, micro_batches=1,
-                                            **overrides))
+    args = train_gpt.Hyperparameters(**dict(RECORD_MODEL, micro_batches=1, **overrides))
+    assert (args.adam_table, args.adam_lr, args.adam_eps, args.adam_weight_decay) == ("2026", ADAM_LR, ADAM_EPS, ADAM_WD)
     train_gpt.harness("config").check_config(args, 1, False)
     hw = train_gpt.Hardware.detect(args)
     torch.manual_seed(0)
@@ -117,9 +117,8 @@ def test_adam_steps_are_the_records(bf16_embeds):
     assert all(m.dtype == torch.float32 for m in optimizer.state_tensors())  # fp32 moments, bf16 embeddings too
 
 
-MUON_2026 = dict(normuon=True, normuon_beta2=0.95, cautious_wd=True, weight_decay=1.2, muon_lr=0.023,
-                 muon_update_scale="aspect", mlp_proj_lr_mult=2.0, muon_decay="lr2", ns_method="polar_express",
-                 ns_backend="torch")
+MUON_2026 = dict(normuon=True, normuon_beta2=0.95, cautious_wd=True, weight_decay=1.2, muon_lr=0.023,  # the defaults
+                 muon_update_scale="aspect", mlp_proj_lr_mult=2.0, muon_decay="lr2", ns_method="polar_express")
 
 
 def record_variance_reduction(v, second, beta2=0.95):
@@ -162,7 +161,8 @@ def test_normuon_steps_are_the_records():
     transposed: (hidden, dim)): momentum, Polar Express, per-row statistics (per column of our
     (dim, hidden) MLP storage), lr 0.023 x (2 for the MLP's shape) x (2 for c_proj), cautious decay
     1.2 x lr x the matrix's lr."""
-    args, hw, model, specs = model_and_specs(**MUON_2026)
+    args, hw, model, specs = model_and_specs()
+    assert {k: getattr(args, k) for k in MUON_2026} == MUON_2026 and hw.ns_backend == "torch"
     optimizer = train_gpt.ShardedMuonAdam(specs, args, train_gpt.Ranks(), hw)
     muon = [s for s in specs if s.optimizer == "muon"]
     with torch.no_grad():
@@ -204,7 +204,7 @@ def test_normuon_bf16_update_is_the_records(monkeypatch):
     its bf16 weight + mantissa (P 744-760) to 16 units in the last place (fp32 arithmetic in
     another order; measured: 2 at most). The update kept fp32 (the path before) is not bf16, and its
     unrounded scale moves the parameters up to 1e-4 from the record's (allowed here: 4e-7)."""
-    args, hw, model, specs = model_and_specs(**MUON_2026, bf16_weights=True)
+    args, hw, model, specs = model_and_specs(bf16_weights=True)  # (RECORD_MODEL's fp32 otherwise)
     hw = dataclasses.replace(hw, compute_dtype=torch.bfloat16)
     optimizer = train_gpt.ShardedMuonAdam(specs, args, train_gpt.Ranks(), hw)
     with torch.no_grad():
@@ -260,7 +260,9 @@ def test_adam_every_other_step_and_the_tied_embedding_are_the_records():
     5), after its tied update, the embedding takes the head's Adam state, and then both train apart.
     Ours: the loop's flags per step; tied, the model's embedding lookup reads the head's weights, so
     autograd hands the head the sum (the next test) and the embedding has no gradient."""
-    args, hw, model, specs = model_and_specs(adam_every=2, embed_split_frac=0.5, num_iterations=10, extension_steps=0)
+    args, hw, model, specs = model_and_specs(embed_split_frac=0.5, num_iterations=10, extension_steps=0,
+                                             muon_momentum_cooldown_steps=0)  # (10 steps: no room for 50)
+    assert args.adam_every == 2
     assert train_gpt.embed_split_step(args) == 5 and [train_gpt.adam_steps_at(s, args) for s in range(4)] == \
         [False, True, False, True]
     optimizer = train_gpt.ShardedMuonAdam(specs, args, train_gpt.Ranks(), hw)

@@ -1,10 +1,9 @@
 """The port to the record of 2026-01-19 ("Bigram Hash Embedding", 1600 steps): its schedules, by
 step, from the options that express them. Each record function is restated below from its
 train_gpt.py (../shared/peers/modded-nanogpt_93f0e6b9/train_gpt.py, lines named beside it) and
-compared with ours at every step 0..1600. RECORD_2026 holds the record's values of our options
-until the speedrun preset becomes that record (docs/port-2026-01-19.md)."""
-
-import dataclasses
+compared with ours at every step 0..1600. RECORD_2026 lists the record's values of our options:
+the defaults (the speedrun preset) are those values, as test_the_defaults_are_the_records_schedules
+checks. The 2025-08-23 record's schedules remain options (RECORD_2025_SCHEDULES)."""
 
 import pytest
 
@@ -20,8 +19,16 @@ RECORD_2026 = dict(
     micro_batches=8, train_seq_len_schedule="16384,32768,49152",  # grad_accum_steps = 8 // W; train_bs_schedule / 8
     mtp=True,                                             # _build_mtp_schedule
 )
-ARGS = dataclasses.replace(train_gpt.Hyperparameters(), **RECORD_2026)
+ARGS = train_gpt.Hyperparameters()
 SCHEDULED, STEPS = 1560, 1600
+# the 2025-08-23 record's schedules (peers/modded-nanogpt_9d9dc969_train_gpt.py): 1695 steps, one lr plateau,
+# cooldown 0.45, no extension, no momentum cooldown, windows grown by window_growth_tokens x progress
+RECORD_2025_SCHEDULES = dict(num_iterations=1695, extension_steps=0, lr_plateaus="1", cooldown_frac=0.45,
+                             muon_momentum_cooldown_steps=0, window_schedule="", window_final_blocks=0, mtp=False)
+
+
+def test_the_defaults_are_the_records_schedules():
+    assert {k: getattr(ARGS, k) for k in RECORD_2026} == RECORD_2026
 
 
 def record_get_lr(step):  # P 1519-1532
@@ -81,7 +88,7 @@ def test_multi_token_weights_are_the_records_at_every_step():
     ours = [train_gpt.mtp_weights_at(s, ARGS) for s in range(STEPS + 1)]
     assert ours == [record_mtp_weights(s) for s in range(STEPS + 1)]
     assert [s for s in range(1, STEPS + 1) if len(ours[s]) != len(ours[s - 1])] == [520, 1040]
-    assert train_gpt.mtp_weights_at(0, train_gpt.Hyperparameters()) == [1.0]  # without --mtp: the next token only
+    assert train_gpt.mtp_weights_at(0, train_gpt.Hyperparameters(mtp=False)) == [1.0]  # without it: the next token only
 
 
 def test_lr_factor_is_the_records_at_every_step():
@@ -110,9 +117,11 @@ def test_muon_momentum_is_the_records_at_every_step():
 
 
 def test_without_the_new_options_the_schedules_are_the_2025_records():
-    """The defaults (lr_plateaus "1", no extension, no momentum cooldown, no window schedule) keep
-    the speedrun preset's schedules: the 2025-08-23 record's get_lr, momentum and window growth."""
-    a = train_gpt.Hyperparameters()  # 2025-08-23's lines (peers/modded-nanogpt_9d9dc969_train_gpt.py 922-928, 1000-1010)
+    """The 2025 options (lr_plateaus "1", no extension, no momentum cooldown, no window schedule)
+    give the 2025-08-23 record's get_lr, momentum and window growth."""
+    a = train_gpt.Hyperparameters(**RECORD_2025_SCHEDULES)  # 2025-08-23's lines (peers/modded-nanogpt_9d9dc969_train_gpt.py 922-928, 1000-1010)
+    assert a.window_growth_tokens == 1728 and a.attn_block_size == 128  # the record's, and still the defaults
+    assert train_gpt.mtp_weights_at(0, a) == [1.0]
     for step in range(a.num_iterations):
         x = step / a.num_iterations
         w = (1 - x) / 0.45

@@ -1,4 +1,6 @@
-"""The speedrun preset's model computes the record's forward pass (2025-08-23, SparseAttnGate).
+"""The 2025-08-23 record's options (RECORD_2025) make our model compute that record's forward pass
+(SparseAttnGate) and our schedules its schedules. The speedrun preset is now the 2026-01-19
+record's (tests/test_record_2026_*.py); the 2025 record's ways remain options, held here.
 
 record_loss below restates the record's model as plain functions on the record's own parameter
 layout (one `scalars` vector, `c_fc`/`c_proj`, `attn_gate`), written from its train_gpt.py; each
@@ -7,7 +9,7 @@ same gradients: a fork that changes the model's math (another activation, anothe
 window off by one) fails here, not after a GPU run. Where ../shared holds the record script, its
 own model code is run too, on CPU, and must give record_loss's value.
 
-The model is the speedrun's layout at width 128 and 256 (one and two heads of 128, as the record's
+The model is the 2025 record's layout at width 128 and 256 (one and two heads of 128, as its
 attention requires): 12 blocks, no attention in block 7, value embeddings 012...012, long and short
 windows LSSSLSSLSSSL, on 512 tokens in 128-token blocks. Weights are random, not the zero
 initialization, so that every path carries signal."""
@@ -27,6 +29,17 @@ PEER = Path(__file__).resolve().parents[1].parent / "shared" / "peers" / "modded
 L, T, BLOCK = 12, 512, 128
 VOCAB = 50304  # BOS is 50256: the vocabulary cannot shrink
 CPU = train_gpt.Hardware(torch.device("cpu"), torch.float32, "sdpa", False, "torch", "gloo")
+# The 2025-08-23 record by our options, where the defaults (the 2026 record's) differ: its model, its
+# windows from a BOS, its schedules (1695 steps, one lr plateau, windows grown by progress), fp32 weights.
+RECORD_2025 = dict(
+    num_layers=12, attention_free_layers="7", value_embed_layers="", window_pattern="LSSSLSSLSSSL",
+    bigram_vocab_size=0, smear=False, skip_layers="", backout_layer=-1, resid_lambda_init=1.0, init="2025",
+    attn_scale=0.12, yarn=False, logit_cap_height=0.0, logit_cap_shift=0.0, mtp=False, value_gates=False,
+    key_offset=False, paired_head_layers="", token_windows=False, bf16_weights=False, fp8_scales="bounded",
+    train_max_doc_len=0, train_seq_len_schedule="", num_iterations=1695, extension_steps=0, lr_plateaus="1",
+    cooldown_frac=0.45, muon_momentum_cooldown_steps=0, window_schedule="", window_final_blocks=0,
+    window_validate_final_blocks=0,
+)
 
 
 def record_weights(heads, seed=0):
@@ -111,8 +124,8 @@ def record_loss(w, tokens, targets, long_blocks, training=True):
 
 def ours_from(w, heads):
     """Our GPT with the record's weights w: {our parameter name: (record name, how to take it)}."""
-    args = train_gpt.Hyperparameters(model_dim=128 * heads, num_heads=heads, head_dim=128, train_seq_len=T,
-                                     val_seq_len=T, bf16_embeds=False)
+    args = train_gpt.Hyperparameters(**RECORD_2025, model_dim=128 * heads, num_heads=heads, head_dim=128,
+                                     train_seq_len=T, val_seq_len=T, bf16_embeds=False)
     model = train_gpt.GPT(args, CPU)
     source = {"embed.weight": ("embed.weight", None), "lm_head_w": ("lm_head.weight", None),
               "skip_weights": ("scalars", slice(0, L // 2))}
@@ -212,7 +225,7 @@ def test_schedules_are_the_records_at_every_step():
     nodes = [n for n in ast.parse(source).body
              if isinstance(n, ast.FunctionDef) and n.name in ("get_lr", "get_window_size_blocks", "next_multiple_of_n")]
     assert len(nodes) == 3
-    args = train_gpt.Hyperparameters()
+    args = train_gpt.Hyperparameters(**RECORD_2025)
     namespace = dict(args=types.SimpleNamespace(num_iterations=1695, cooldown_frac=0.45))
     exec(compile("\n\n".join(ast.get_source_segment(source, n) for n in nodes), str(PEER), "exec"), namespace)
     namespace["get_window_size_blocks_helper"] = lambda window_size: window_size // 128
