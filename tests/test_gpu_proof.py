@@ -431,7 +431,7 @@ def test_a_run_cut_by_the_budget_leaves_the_phase_partial_with_its_figures(tmp_p
     assert result.returncode == 1 and train["status"] == "partial" and not train["errors"], result.stdout
     main = train["values"]["main"]
     assert main["exit"] == "timeout" and 3 < main["steps_done"] < 3000 and main["steady_ms"] > 0
-    assert f"train run newton_schulz: cut short by the phase's budget after {main['steps_done']} steps; its " \
+    assert f"train run {main['ns_method']}: cut short by the phase's budget after {main['steps_done']} steps; its " \
            "figures are what it reached" in train["notes"]
 
 
