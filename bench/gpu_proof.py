@@ -97,8 +97,8 @@ DEFAULT_STEPS = 96                   # main and peer runs: 84 scheduled steps (t
 STAGE_PARTS = 3                      # ours and the record's batch and window schedules: equal thirds of the scheduled steps
 STAGE_SKIP = 4                       # per-stage steady ms/step leaves out each stage's first 4 steps (size changes)
 SMOKE_TRAINER_ARGV = ["--preset", "cpu", "--model_dim", "32", "--num_heads", "2", "--head_dim", "16",
-                      "--train_seq_len", "256", "--val_seq_len", "256", "--micro_batches", "2",
-                      "--warmup_steps", "1"]
+                      "--train_seq_len", "256", "--train_seq_len_schedule", "128,192,256", "--val_seq_len", "256",
+                      "--micro_batches", "2", "--warmup_steps", "1"]
 SMOKE_VAL_TOKENS = 512
 # Trainer fields every train run sets itself (a variant's flags come last and would override them)
 PROOF_SETS = {"preset", "num_iterations", "extension_steps", "val_tokens", "val_every", "train_files", "val_files",
@@ -1188,7 +1188,8 @@ def check_compile(rec, tg, torch, cuda):
     layout = ["--preset", "speedrun"]
     if not cuda:   # the smoke run proves the code path on a 4-block layout (fewer graphs to trace)
         layout += ["--num_layers", "4", "--window_pattern", "LSSL", "--attention_free_layers", "2",
-                   "--num_value_embeds", "1"]
+                   "--num_value_embeds", "1", "--value_embed_layers", "0..0", "--paired_head_layers", "1",
+                   "--skip_layers", "1,3", "--backout_layer", "1"]
     # Small: the graphs do not depend on sizes, and torch._scaled_mm on a CPU can be a scalar loop
     # (17 ns per multiply-add on a Sapphire Rapids VM: 75 s per scope at 256 tokens of width 64).
     cpu_argv = layout + ["--device", "cpu", "--model_dim", "32", "--num_heads", "2", "--head_dim", "16",

@@ -455,8 +455,9 @@ def load_folder(path: str | Path) -> RecordFolder:
         folder.warnings.append(f"{folder.label}: the runs were made by {len(codes)} different versions of the "
                                "training script (the source each log starts with: " + "; ".join(counts)
                                + "); kept, but their statistics mix code versions")
-    # Two validations after step 0 at least: step 0's loss is ln(50304) for every seed, and two
-    # final losses alone may agree to 4 decimals by chance.
+    # Two validations after step 0 at least: step 0's loss is ln(50304) for every seed under
+    # --init 2025 (a zero head) and near it under 2026 (a N(0, 0.005) head), and two final losses
+    # alone may agree to 4 decimals by chance.
     curves = {tuple(loss for _, _, loss in r.val_curve) for r in folder.usable}
     if len(folder.usable) > 1 and len(curves) == 1 and len(folder.usable[0].val_curve) >= 3:
         folder.warnings.append(f"{folder.label}: all {len(folder.usable)} runs have the same validation losses: "

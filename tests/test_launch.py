@@ -155,7 +155,9 @@ def test_two_machines_train_what_one_machine_trains(tmp_path, make_shards):
 
     single, multi = val_losses(tmp_path / "one"), val_losses(tmp_path / "two")
     assert len(single) == len(multi) == 5  # val_every=1 over 4 steps, and step 0
-    assert single[-1] < single[0] - 0.2
+    # it trains, not idles: 10.82 -> 10.71 in 4 steps (Adam, every 2nd step, moves the embeddings and
+    # head twice; 10.61 with --adam_every 1)
+    assert single[-1] < single[0] - 0.05
     assert multi == pytest.approx(single, rel=LOSS_RTOL)
 
 

@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import profile_step  # noqa: E402
+from conftest import tiny_argv  # noqa: E402
 
 pytestmark = pytest.mark.slow  # launches fresh processes: the full suite only (README, Test)
 
@@ -25,11 +26,11 @@ def profile(out, *args, timeout=300):
     return result.stdout, (out / "kernels.txt").read_text()
 
 
-def test_profiles_the_asked_steps_of_a_cpu_run(tmp_path):
+def test_profiles_the_asked_steps_of_a_cpu_run(tmp_path, make_shards):
     out = tmp_path / "prof"
-    stdout, table = profile(out, "--steps", "1:2", "--", "--preset", "cpu", "--num_iterations", "3",
-                            "--num_layers", "2", "--window_pattern", "LL", "--attention_free_layers", "",
-                            "--num_value_embeds", "1")
+    train_glob, val_glob, _ = make_shards()
+    stdout, table = profile(out, "--steps", "1:2", "--", *tiny_argv(train_files=train_glob, val_files=val_glob,
+                                                                   num_iterations=4))
     assert "steps 2..2 written" in stdout
     # the short run's log lies beside the profile, not among the runs in records/
     assert len(list((out / "logs").glob("*_dev/*.txt"))) == 1 and str(out / "logs") in stdout
