@@ -693,8 +693,8 @@ def orthogonalize_triton(G: torch.Tensor, method: str = "newton_schulz", coeffs:
 # 5. Optimizers
 #
 # NorMuon trains the block matrices; Adam (on every adam_every-th step) the embeddings, the head, the
-# gates and the scalars. No DDP: in the last micro-step's backward, hooks launch each communication unit once its gradients are final,
-# in one order on every rank: a Muon bucket (same-shape matrices reduce-scattered whole, each rank
+# gates and the scalars. No DDP: in the last micro-step's backward, hooks launch each communication
+# unit once its gradients are final, in one order on every rank: a Muon bucket (same-shape matrices reduce-scattered whole, each rank
 # orthogonalizing its own, then all-gathered), a large Adam parameter (rows reduce-scattered) or the
 # small parameters (one all-reduce). Zero padding fills stacks to a multiple of the world size.
 
