@@ -1256,12 +1256,11 @@ class VarlenMask(NamedTuple):  # FlashAttention's varlen arguments: cu_seqlens, 
 # varlen's capacity: T // 128 + 64 documents (the record's: T // 300 rounded up to 128; +64 for short sequences)
 VARLEN_MEAN_DOC_TOKENS, VARLEN_SPARE_DOCS = 128, 64
 
-def varlen_mask(tokens, window_blocks, block_size, max_doc_len, paired=False, capacity=None):
-    """The token-window mask as varlen_attn's arguments: each document's start (a BOS, and position 0)
-    then T, padded with T to capacity + 1 entries, so that no shape depends on the data (the record's
-    padded cu_seqlens); max_doc_len bounds the documents' lengths. On device, no host sync: a micro-batch
-    of more documents, or of a longer one, stops the run (FlashAttention would skip their tokens).
-    window_blocks: an int (the kernel's argument). paired: over 2T positions, lengths doubled."""
+def document_starts(tokens, max_doc_len, capacity=None):
+    """Each document's start (a BOS, and position 0) then T, padded with T to capacity + 1 entries, so
+    that no shape depends on the data (the record's padded cu_seqlens); max_doc_len bounds the documents'
+    lengths. On device, no host sync: a micro-batch of more documents, or of a longer one, stops the run
+    (FlashAttention would skip their tokens)."""
     T = tokens.numel()
     docs = document_ids(tokens)
     docs = docs - docs[0]  # the first document is number 0, a BOS at position 0 or not
@@ -1269,6 +1268,12 @@ def varlen_mask(tokens, window_blocks, block_size, max_doc_len, paired=False, ca
     starts = torch.searchsorted(docs, positions, out_int32=True)  # document d's first position (T past the last)
     torch._assert_async((starts[-1] == T) & ((starts[1:] - starts[:-1]).max() <= max_doc_len),
                         "varlen attention: more documents in a micro-batch than its capacity, or one too long")
+    return starts
+
+def varlen_mask(tokens, window_blocks, block_size, max_doc_len, paired=False, capacity=None, starts=None):
+    """The token-window mask as varlen_attn's arguments. window_blocks: an int (the kernel's argument).
+    paired: over 2T positions, lengths doubled. starts: document_starts' (one call serves every kind)."""
+    starts = document_starts(tokens, max_doc_len, capacity) if starts is None else starts
     return VarlenMask((1 + paired) * starts, (1 + paired) * max_doc_len, window_blocks * block_size)
 
 def attention_masks(tokens, long_blocks, args, hw, short_blocks=None, kinds=("L", "S"), training=False):
@@ -1279,7 +1284,7 @@ def attention_masks(tokens, long_blocks, args, hw, short_blocks=None, kinds=("L"
         short_blocks = max(long_blocks // 2, 1) if isinstance(long_blocks, int) else torch.clamp(long_blocks // 2, min=1)
     if hw.attention == "varlen":
         longest = min(args.train_max_doc_len or tokens.numel(), tokens.numel()) if training else tokens.numel()
-        build = functools.partial(varlen_mask, max_doc_len=longest)
+        build = functools.partial(varlen_mask, max_doc_len=longest, starts=document_starts(tokens, longest))
     else:
         build = functools.partial(flex_block_mask if hw.attention == "flex" else dense_attention_mask,
                                   token_window=args.token_windows)

@@ -125,6 +125,22 @@ def test_attention_masks_give_each_kind_its_window_and_bound():
     assert unpacked["S"].window == 8 and unpacked["L"].longest == T
 
 
+def test_attention_masks_find_the_document_starts_once_for_every_kind(monkeypatch):
+    args = train_gpt.Hyperparameters(preset="cpu", attn_block_size=8, token_windows=True, train_max_doc_len=40)
+    hw = train_gpt.Hardware(torch.device("cpu"), torch.float32, "varlen", False, "torch", "gloo")
+    tokens = tokens_with(T, [0, 30, 60])
+    calls = []
+    starts_of = train_gpt.document_starts
+    monkeypatch.setattr(train_gpt, "document_starts", lambda *a, **k: calls.append(a) or starts_of(*a, **k))
+    masks = train_gpt.attention_masks(tokens, 5, args, hw, kinds=("L", "S", "pL", "pS"), training=True)
+    assert len(calls) == 1  # a searchsorted and an assert per forward, not one per kind
+    for kind, mask in masks.items():  # each kind as varlen_mask alone builds it
+        alone = starts_of(tokens, 40)
+        expected = train_gpt.varlen_mask(tokens, 5 if kind[-1] == "L" else 2, 8, 40, paired=kind[0] == "p")
+        assert torch.equal(mask.starts, expected.starts) and mask[1:] == expected[1:], kind
+        assert torch.equal(alone * (1 + (kind[0] == "p")), mask.starts)
+
+
 @pytest.mark.parametrize("paired", [False, True], ids=["plain", "paired"])
 def test_attend_with_a_varlen_mask_is_the_dense_twin(twin, paired):
     tokens = tokens_with(T, [4, 20, 21, 64])
