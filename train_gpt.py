@@ -109,7 +109,7 @@ class Hyperparameters:
     fp8_head: bool = True               # FP8 lm_head where the GPU supports it (off on CPU and pre-Ada GPUs)
     fp8_scales: str = "2026"            # its operands' scales: 2026 (100, 1.6, 0.75 /448) or bounded (cannot overflow)
     bf16_embeds: bool = True            # embeddings, value embeddings and bigram table in bf16
-    bf16_weights: bool = True           # gates and head bf16; Muon's fp32 matrices read truncated to bf16, its update bf16
+    bf16_weights: bool = True           # gates, head bf16; Muon's fp32 matrices read truncated to bf16, update and traffic bf16
     compile: bool = True                # torch.compile the model (--compile_scope: in how many graphs), the orthogonalizer
     compile_scope: str = "model"        # model: one graph, as the record; blocks: each block and the head alone
     compile_adam: bool = False          # compile Adam's update, bf16 rounded where stored only, as the record (eager here
@@ -815,16 +815,22 @@ class ShardedMuonAdam:
         for slot in slots:
             by_shape.setdefault(tuple(slot.view(slot.spec.param).shape), []).append(slot)
         bucket_size = W * -(-args.muon_bucket_matrices // W)
+        # The record's traffic under --bf16_weights on bf16 compute: gradients reduced in bf16, and the
+        # matrices gathered as the bf16 the forward reads (their truncation); each rank keeps the fp32
+        # masters of the matrices it owns (the record's mantissa). Else fp32: the forward reads all of w.
+        self.muon_comm_dtype = torch.bfloat16 if args.bf16_weights and hw.compute_dtype == torch.bfloat16 \
+            else torch.float32
         self.muon_groups = []   # per shape: the buckets and the state of this rank's matrices
         units = []
         for shape, shape_slots in by_shape.items():
             buckets = [MuonBucket(shape_slots[i:i + bucket_size], W) for i in range(0, len(shape_slots), bucket_size)]
             owned = sum(b.per_rank for b in buckets)
             padded = sum(b.padded for b in buckets)
-            grad_stack = torch.zeros(padded, *shape, device=device)  # zero rows stay zero: padding
+            comm = dict(device=device, dtype=self.muon_comm_dtype if W > 1 else torch.float32)
+            grad_stack = torch.zeros(padded, *shape, **comm)  # zero rows stay zero: padding
             group = dict(buckets=buckets, grad_stack=grad_stack,
-                         reduced=torch.empty(owned, *shape, device=device) if W > 1 else grad_stack,
-                         param_stack=torch.empty(padded, *shape, device=device) if W > 1 else None,
+                         reduced=torch.empty(owned, *shape, **comm) if W > 1 else grad_stack,
+                         param_stack=torch.empty(padded, *shape, **comm) if W > 1 else None,
                          momentum=torch.zeros(owned, *shape, device=device),
                          # NorMuon: a statistic per row of square matrices, per column of the others' wide view
                          second_moment=torch.zeros(owned, *((shape[0], 1) if shape[0] == shape[1] else (1, shape[1])),
@@ -995,7 +1001,7 @@ class ShardedMuonAdam:
                 b.stack_grads()
             else:
                 self.comm.wait(b.work)
-        grads = self._unaccumulate(group["reduced"])  # this rank's share, in bucket order
+        grads = self._unaccumulate(group["reduced"].float())  # this rank's share, in bucket order (fp32)
         mine, momentum, mu = group["owned"], group["momentum"], self.muon_momentum
         momentum.lerp_(grads, 1 - mu)
         update = grads.lerp_(momentum, mu)  # Nesterov
@@ -1017,16 +1023,38 @@ class ShardedMuonAdam:
         if W == 1:
             torch._foreach_copy_([slot.view(slot.spec.param) for slot in mine], list(new_params))
             return []
+        return self._gather_matrices(group, new_params)
+
+    def _gather_matrices(self, group, new_params, stacks=None):
+        """Every rank's updated matrices into every rank's parameters. In bf16 (the forward's reads,
+        truncated) each rank then writes its own fp32 masters back over its share."""
         finishes, start = [], 0
-        for b in buckets:
-            work = self.comm.all_gather(b.param_stack, new_params[start:start + b.per_rank])
+        for b, stack in zip(group["buckets"], stacks or [b.param_stack for b in group["buckets"]]):
+            mine = new_params[start:start + b.per_rank]
             start += b.per_rank
-            def finish(b=b, work=work):
+            sent = mine if stack.dtype == mine.dtype else bf16_truncated(mine)
+            work = self.comm.all_gather(stack, sent)
+            def finish(b=b, work=work, stack=stack, mine=mine):
                 self.comm.wait(work)
-                torch._foreach_copy_([slot.view(slot.spec.param) for slot in b.slots],
-                                     list(b.param_stack[:len(b.slots)]))
+                torch._foreach_copy_([slot.view(slot.spec.param) for slot in b.slots], list(stack[:len(b.slots)]))
+                if stack.dtype != mine.dtype:
+                    owned = [(slot, m) for slot, m in zip(b.slots[self.rank * b.per_rank:], mine)]
+                    torch._foreach_copy_([slot.view(slot.spec.param) for slot, _ in owned], [m for _, m in owned])
             finishes.append(finish)
         return finishes
+
+    @torch.no_grad()
+    def gather_fp32_masters(self):
+        """Before a checkpoint (every rank): with bf16 traffic a rank holds only its own matrices'
+        fp32 masters; this gathers all of them in fp32 once, so that rank 0 saves every one."""
+        if self.world_size == 1 or self.muon_comm_dtype == torch.float32:
+            return
+        for group in self.muon_groups:
+            mine = torch.stack([slot.view(slot.spec.param) if slot else torch.zeros_like(group["param_buffer"][0])
+                                for slot in group["owned"]])
+            stacks = [torch.empty(b.param_stack.shape, device=mine.device) for b in group["buckets"]]
+            for finish in self._gather_matrices(group, mine, stacks):
+                finish()
 
     def _owned_slots(self, group):  # the slots this rank updates, in local order (None: padding)
         return [b.slots[i] if i < len(b.slots) else None for b in group["buckets"]
@@ -1074,6 +1102,9 @@ class ShardedMuonAdam:
         for s in self.specs:
             if self.adam_step_now or s.optimizer == "muon":
                 s.param.grad = None
+
+def bf16_truncated(t):  # the top 16 bits of fp32 values: the bf16 that as_compute reads
+    return torch.bitwise_and(t.view(torch.int32), -65536).view(torch.float32).to(torch.bfloat16)
 
 def muon_apply(params, update, lr, decay, cautious):
     """p - lr*update (lr: a number, or one per matrix), with decoupled weight decay (cautious: only

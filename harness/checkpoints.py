@@ -106,6 +106,7 @@ def save_checkpoint(path, step, train_time_ms, args, ranks, model, optimizer, ba
     """Every rank calls this (the optimizer state is gathered); rank 0 writes. A failed write is
     logged in one line and training goes on; the line is returned (None when written)."""
     started = time.perf_counter()
+    optimizer.gather_fp32_masters()  # with bf16 traffic a rank holds only its own matrices' in full
     optimizer_state = optimizer_state_dict(optimizer)
     if not ranks.is_master:
         return None

@@ -4,6 +4,7 @@ collective, and a bad launch or a data file one rank cannot read fails fast with
 instead of hanging."""
 
 import contextlib
+import dataclasses
 import functools
 import io
 import os
@@ -358,6 +359,80 @@ def test_eight_ranks_train_the_speedrun_layout_as_one_process_does(tmp_path):
     per_step = [b - a for a, b in zip([0] + eight["sent_bytes"], eight["sent_bytes"])]
     assert per_step == pytest.approx(ring_bytes_per_step(eight, 8, 2, adam_steps={1}, tied_steps={0, 1}), abs=64)
     assert eight["state_bytes"] < 1.1 * single["state_bytes"] / 8 + 64 * 1024
+
+
+def bf16_traffic_worker(rank, world_size, port, argv, out_path):
+    """One rank of a bf16-compute run (the GPU's precision, on CPU): per step the bytes sent and
+    every Muon matrix's fp32 master and bf16 read; at the end a checkpoint written as a run writes it."""
+    args = cfg.parse_config(argv, {}, world_size, False)
+    ranks = train_gpt.Ranks()
+    if world_size > 1:  # spawned; at world size 1 this process, as `python train_gpt.py` runs
+        os.environ.update(rank_env(rank, world_size, port))
+        torch.set_num_threads(1)
+        ranks = train_gpt.Ranks.from_env(os.environ)
+    hw = dataclasses.replace(train_gpt.Hardware.detect(args), compute_dtype=torch.bfloat16)
+    if world_size > 1:
+        train_gpt.init_process_group(args, ranks, hw)
+    comm = train_gpt.Collectives(world_size)
+    record = dict(sent_bytes=[])
+
+    def on_step(step, model, optimizer):
+        record["sent_bytes"].append(comm.sent_bytes)
+        if step == args.num_iterations:
+            record["comm_dtype"] = optimizer.muon_comm_dtype
+            record["grad_dtypes"] = {g["grad_stack"].dtype for g in optimizer.muon_groups}
+            muon = [s for s in optimizer.specs if s.optimizer == "muon"]
+            record["muon_numel"] = sum(s.param.numel() for s in muon)
+            record["muon_padding_numel"] = sum((b.padded - len(b.slots)) * b.grad_stack[0].numel()
+                                               for g in optimizer.muon_groups for b in g["buckets"])
+            record["owned"] = [(slot.spec.name, slot.index) for g in optimizer.muon_groups for slot in g["owned"] if slot]
+            record["masters"] = {s.name: s.param.detach().clone() for s in muon}
+            train_gpt.harness("checkpoints").save_checkpoint(
+                out_path + f".rank{rank}.pt", step, 0.0, args, ranks, model, optimizer, None, train_gpt.TrainResult(),
+                lambda *a, **k: None)
+            record["after_save"] = {s.name: s.param.detach().clone() for s in muon}
+
+    result = train_gpt.train(args, ranks, hw, lambda *a, **k: None, collectives=comm, on_step=on_step)
+    record["losses"] = result.train_losses
+    torch.save(record, out_path + f".rank{rank}")
+    dist.destroy_process_group() if dist.is_initialized() else None
+
+
+def test_bf16_traffic_sends_what_the_forward_reads_and_checkpoints_keep_the_masters(tmp_path, make_shards):
+    """On bf16 compute with --bf16_weights (the record's precision) Muon's gradients are reduced
+    and its matrices gathered in bf16, half the bytes: each rank then holds the bf16 reads of every
+    matrix alike, bit for bit, and the fp32 masters of its own (the record's mantissa); a
+    checkpoint first gathers every master in fp32. It trains what one process trains, but for the
+    gradient's bf16 rounding."""
+    train_glob, val_glob, _ = make_shards()
+    argv = tiny_argv(train_files=train_glob, val_files=val_glob, micro_batches=2, num_iterations=3, val_every=0,
+                     bf16_weights=True)  # (the cpu preset, on fp32 compute, has it off)
+    out = str(tmp_path / "bf16")
+    bf16_traffic_worker(0, 1, 0, argv, out + "1")
+    mp.start_processes(bf16_traffic_worker, args=(2, free_port(), argv, out + "2"), nprocs=2, join=True,
+                       start_method="spawn")
+    single, ranks = torch.load(out + "1.rank0"), [torch.load(out + f"2.rank{r}") for r in range(2)]
+    assert single["comm_dtype"] == ranks[0]["comm_dtype"] == torch.bfloat16 and ranks[0]["grad_dtypes"] == {torch.bfloat16}
+    # step 0 (no Adam step): Muon's bytes alone, a bf16 reduce-scatter and all-gather of each matrix and padding
+    W, r0 = 2, ranks[0]
+    assert r0["sent_bytes"][0] == 2 * (W - 1) * 2 * (r0["muon_numel"] + r0["muon_padding_numel"]) // W
+    truncated = lambda t: torch.bitwise_and(t.view(torch.int32), -65536)  # noqa: E731
+    low_bits = lambda t: torch.bitwise_and(t.view(torch.int32), 65535)  # noqa: E731
+    for name in r0["masters"]:
+        assert torch.equal(truncated(ranks[0]["masters"][name]), truncated(ranks[1]["masters"][name])), name
+    for rank, record in enumerate(ranks):
+        other = ranks[1 - rank]
+        for name, index in record["owned"]:  # its own: full fp32; the other's copy: the bf16 read only
+            mine = record["masters"][name] if index is None else record["masters"][name][index]
+            theirs = other["masters"][name] if index is None else other["masters"][name][index]
+            assert low_bits(mine).any() and not low_bits(theirs).any(), (rank, name, index)
+            saved = torch.load(out + "2.rank0.pt")["model"][name]
+            assert torch.equal(saved if index is None else saved[index], mine)  # rank 0 saved the owner's master
+            after = other["after_save"][name]
+            assert torch.equal(after if index is None else after[index], mine)  # ... and every rank has it
+    assert ranks[0]["losses"] == ranks[1]["losses"]
+    assert ranks[0]["losses"][0] == single["losses"][0]  # the first step's forward reads the same weights
+    assert ranks[0]["losses"] == pytest.approx(single["losses"], rel=2e-3)
 
 
 def main_worker(rank, world_size, port, argv_per_rank, out_dir):
