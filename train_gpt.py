@@ -826,7 +826,9 @@ class ShardedMuonAdam:
             buckets = [MuonBucket(shape_slots[i:i + bucket_size], W) for i in range(0, len(shape_slots), bucket_size)]
             owned = sum(b.per_rank for b in buckets)
             padded = sum(b.padded for b in buckets)
-            comm = dict(device=device, dtype=self.muon_comm_dtype if W > 1 else torch.float32)
+            # (bf16 parameters, the 2025 table's Muon gates, travel in fp32: every rank rounds them alike)
+            fp32_params = all(slot.spec.param.dtype == torch.float32 for slot in shape_slots)
+            comm = dict(device=device, dtype=self.muon_comm_dtype if W > 1 and fp32_params else torch.float32)
             grad_stack = torch.zeros(padded, *shape, **comm)  # zero rows stay zero: padding
             group = dict(buckets=buckets, grad_stack=grad_stack,
                          reduced=torch.empty(owned, *shape, **comm) if W > 1 else grad_stack,
@@ -1047,9 +1049,9 @@ class ShardedMuonAdam:
     def gather_fp32_masters(self):
         """Before a checkpoint (every rank): with bf16 traffic a rank holds only its own matrices'
         fp32 masters; this gathers all of them in fp32 once, so that rank 0 saves every one."""
-        if self.world_size == 1 or self.muon_comm_dtype == torch.float32:
-            return
         for group in self.muon_groups:
+            if group["param_stack"] is None or group["param_stack"].dtype == torch.float32:
+                continue  # every rank holds every master already
             mine = torch.stack([slot.view(slot.spec.param) if slot else torch.zeros_like(group["param_buffer"][0])
                                 for slot in group["owned"]])
             stacks = [torch.empty(b.param_stack.shape, device=mine.device) for b in group["buckets"]]

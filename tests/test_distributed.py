@@ -362,8 +362,8 @@ def test_eight_ranks_train_the_speedrun_layout_as_one_process_does(tmp_path):
 
 
 def bf16_traffic_worker(rank, world_size, port, argv, out_path):
-    """One rank of a bf16-compute run (the GPU's precision, on CPU): per step the bytes sent and
-    every Muon matrix's fp32 master and bf16 read; at the end a checkpoint written as a run writes it."""
+    """One rank of a bf16-compute run (the GPU's precision, on CPU): per step the bytes sent; at the
+    end every parameter, then a checkpoint written as a run writes it, then every parameter again."""
     args = cfg.parse_config(argv, {}, world_size, False)
     ranks = train_gpt.Ranks()
     if world_size > 1:  # spawned; at world size 1 this process, as `python train_gpt.py` runs
@@ -381,16 +381,15 @@ def bf16_traffic_worker(rank, world_size, port, argv, out_path):
         if step == args.num_iterations:
             record["comm_dtype"] = optimizer.muon_comm_dtype
             record["grad_dtypes"] = {g["grad_stack"].dtype for g in optimizer.muon_groups}
-            muon = [s for s in optimizer.specs if s.optimizer == "muon"]
-            record["muon_numel"] = sum(s.param.numel() for s in muon)
-            record["muon_padding_numel"] = sum((b.padded - len(b.slots)) * b.grad_stack[0].numel()
-                                               for g in optimizer.muon_groups for b in g["buckets"])
-            record["owned"] = [(slot.spec.name, slot.index) for g in optimizer.muon_groups for slot in g["owned"] if slot]
-            record["masters"] = {s.name: s.param.detach().clone() for s in muon}
+            bf16_groups = [g for g in optimizer.muon_groups if g["grad_stack"].dtype == torch.bfloat16]
+            record["bf16_muon"] = {slot.spec.name for g in bf16_groups for b in g["buckets"] for slot in b.slots}
+            record["bf16_numel"] = sum(g["grad_stack"].numel() for g in bf16_groups)
+            record["owned"] = [(slot.spec.name, slot.index) for g in bf16_groups for slot in g["owned"] if slot]
+            record["params"] = {k: v.detach().clone() for k, v in model.named_parameters()}
             train_gpt.harness("checkpoints").save_checkpoint(
                 out_path + f".rank{rank}.pt", step, 0.0, args, ranks, model, optimizer, None, train_gpt.TrainResult(),
                 lambda *a, **k: None)
-            record["after_save"] = {s.name: s.param.detach().clone() for s in muon}
+            record["after_save"] = {k: v.detach().clone() for k, v in model.named_parameters()}
 
     result = train_gpt.train(args, ranks, hw, lambda *a, **k: None, collectives=comm, on_step=on_step)
     record["losses"] = result.train_losses
@@ -398,39 +397,48 @@ def bf16_traffic_worker(rank, world_size, port, argv, out_path):
     dist.destroy_process_group() if dist.is_initialized() else None
 
 
-def test_bf16_traffic_sends_what_the_forward_reads_and_checkpoints_keep_the_masters(tmp_path, make_shards):
+@pytest.mark.parametrize("adam_table", ["2026", "2025"])
+def test_bf16_traffic_sends_what_the_forward_reads_and_checkpoints_keep_the_masters(tmp_path, make_shards, adam_table):
     """On bf16 compute with --bf16_weights (the record's precision) Muon's gradients are reduced
-    and its matrices gathered in bf16, half the bytes: each rank then holds the bf16 reads of every
-    matrix alike, bit for bit, and the fp32 masters of its own (the record's mantissa); a
-    checkpoint first gathers every master in fp32. It trains what one process trains, but for the
+    and its fp32 matrices gathered in bf16, half the bytes: each rank then holds the bf16 reads of
+    every matrix alike, bit for bit, and the fp32 masters of its own (the record's mantissa); a
+    checkpoint first gathers every master in fp32. bf16 parameters on Muon (the 2025 table's gates)
+    travel in fp32, rounded alike on every rank. It trains what one process trains, but for the
     gradient's bf16 rounding."""
     train_glob, val_glob, _ = make_shards()
     argv = tiny_argv(train_files=train_glob, val_files=val_glob, micro_batches=2, num_iterations=3, val_every=0,
-                     bf16_weights=True)  # (the cpu preset, on fp32 compute, has it off)
+                     bf16_weights=True, adam_table=adam_table)  # (the cpu preset, on fp32 compute, has it off)
     out = str(tmp_path / "bf16")
     bf16_traffic_worker(0, 1, 0, argv, out + "1")
     mp.start_processes(bf16_traffic_worker, args=(2, free_port(), argv, out + "2"), nprocs=2, join=True,
                        start_method="spawn")
     single, ranks = torch.load(out + "1.rank0"), [torch.load(out + f"2.rank{r}") for r in range(2)]
-    assert single["comm_dtype"] == ranks[0]["comm_dtype"] == torch.bfloat16 and ranks[0]["grad_dtypes"] == {torch.bfloat16}
-    # step 0 (no Adam step): Muon's bytes alone, a bf16 reduce-scatter and all-gather of each matrix and padding
-    W, r0 = 2, ranks[0]
-    assert r0["sent_bytes"][0] == 2 * (W - 1) * 2 * (r0["muon_numel"] + r0["muon_padding_numel"]) // W
+    assert single["comm_dtype"] == ranks[0]["comm_dtype"] == torch.bfloat16
+    assert ranks[0]["grad_dtypes"] == ({torch.bfloat16} if adam_table == "2026" else {torch.bfloat16, torch.float32})
+    assert ranks[0]["bf16_muon"] and all(ranks[0]["params"][name].dtype == torch.float32 for name in ranks[0]["bf16_muon"])
+    if adam_table == "2026":  # step 0 (no Adam step): Muon's bytes alone, each matrix and its padding in bf16
+        W = 2
+        assert ranks[0]["sent_bytes"][0] == 2 * (W - 1) * 2 * ranks[0]["bf16_numel"] // W
     truncated = lambda t: torch.bitwise_and(t.view(torch.int32), -65536)  # noqa: E731
     low_bits = lambda t: torch.bitwise_and(t.view(torch.int32), 65535)  # noqa: E731
-    for name in r0["masters"]:
-        assert torch.equal(truncated(ranks[0]["masters"][name]), truncated(ranks[1]["masters"][name])), name
+    saved = torch.load(out + "2.rank0.pt")["model"]
+    for name, value in ranks[0]["params"].items():  # what each rank's forward reads is the same
+        other = ranks[1]["params"][name]
+        if name in ranks[0]["bf16_muon"]:
+            assert torch.equal(truncated(value), truncated(other)), name
+        else:
+            assert torch.equal(value, other) and torch.equal(saved[name], value), name
+            assert torch.equal(ranks[0]["after_save"][name], value), name
     for rank, record in enumerate(ranks):
         other = ranks[1 - rank]
         for name, index in record["owned"]:  # its own: full fp32; the other's copy: the bf16 read only
-            mine = record["masters"][name] if index is None else record["masters"][name][index]
-            theirs = other["masters"][name] if index is None else other["masters"][name][index]
+            mine = record["params"][name] if index is None else record["params"][name][index]
+            theirs = other["params"][name] if index is None else other["params"][name][index]
             assert low_bits(mine).any() and not low_bits(theirs).any(), (rank, name, index)
-            saved = torch.load(out + "2.rank0.pt")["model"][name]
-            assert torch.equal(saved if index is None else saved[index], mine)  # rank 0 saved the owner's master
+            kept = saved[name] if index is None else saved[name][index]
+            assert torch.equal(kept, mine)  # rank 0 saved the owner's master
             after = other["after_save"][name]
             assert torch.equal(after if index is None else after[index], mine)  # ... and every rank has it
-    assert ranks[0]["losses"] == ranks[1]["losses"]
     assert ranks[0]["losses"][0] == single["losses"][0]  # the first step's forward reads the same weights
     assert ranks[0]["losses"] == pytest.approx(single["losses"], rel=2e-3)
 
