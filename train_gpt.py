@@ -2518,7 +2518,7 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
                     first = result.all_val_losses()[0]  # the same values on every rank
                     # a nat above the untrained model's: a healthy run's first steps may wander a little above it
                     if not math.isfinite(val_loss) or (first[0] == 0 and step > 0 and val_loss > first[1] + 1):
-                        above = f", a nat above step 0's {first[1]:.4f}" if math.isfinite(val_loss) else ""
+                        above = f", more than a nat above step 0's {first[1]:.4f}" if math.isfinite(val_loss) else ""
                         result.failure = f"diverged at step {step}/{N}: val_loss is {val_loss:.4f}{above}"
                         result.exit_code = EXIT_DIVERGED
                         break

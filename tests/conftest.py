@@ -26,11 +26,12 @@ import torch  # noqa: E402
 
 # Under pytest -n W (pytest-xdist) each worker, and every process it starts, keeps to its own share of
 # the CPUs (torch's threads then match it: more threads than cores make its OpenMP regions wait).
-if "PYTEST_XDIST_WORKER" in os.environ and hasattr(os, "sched_setaffinity"):
+if "PYTEST_XDIST_WORKER" in os.environ and "TESTS_CPUS_PINNED" not in os.environ and hasattr(os, "sched_setaffinity"):
     _cpus = sorted(os.sched_getaffinity(0))
     _workers, _index = int(os.environ["PYTEST_XDIST_WORKER_COUNT"]), int(os.environ["PYTEST_XDIST_WORKER"][2:])
     if _workers <= len(_cpus):
         os.sched_setaffinity(0, _cpus[_index::_workers])
+    os.environ["TESTS_CPUS_PINNED"] = "1"  # a process the worker starts imports this again: its share stays
 torch.set_num_threads(min(2, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
 
 from shards import BOS, write_shard  # noqa: E402

@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 
 import train_gpt
 from harness import checkpoints as ckpt, config as cfg, launch as launcher
-from conftest import tiny_argv
+from conftest import TINY, tiny_argv
 
 # 12 micro-batches per step divide by 1, 2, 3 and 4; vocab 50305 rows do not divide by 2, 3 or 4,
 # so the row-sharded Adam parameters (embedding, value embedding, head) need padding. Five blocks
@@ -42,6 +42,13 @@ EQUIVALENCE = dict(micro_batches=12, num_iterations=4, val_every=4, vocab_size=5
                    adam_eps=1.28e-4, bf16_embeds=False, num_layers=5, window_pattern="LSSSL",
                    value_embed_layers="0...0", embed_split_frac=0.25, val_tokens=384, val_seq_len=128)
 ADAM_STEPS, TIED_STEPS = {1, 3}, {0, 1}  # of EQUIVALENCE's four
+
+
+def test_the_equivalence_runs_adam_and_split_steps_are_the_schedules():
+    args = train_gpt.Hyperparameters(**dict(TINY, **EQUIVALENCE))
+    steps = range(args.num_iterations)
+    assert {s for s in steps if train_gpt.adam_steps_at(s, args)} == ADAM_STEPS
+    assert {s for s in steps if train_gpt.embed_tied_at(s, args)} == TIED_STEPS
 
 
 def free_port():
@@ -191,7 +198,7 @@ def equivalence_runs(tmp_path_factory):
 # learning rate per step), and in Muon, whose orthogonalization lifts the smallest singular
 # directions of a nearly rank-deficient momentum (the first steps of q, k, v behind a zero-init
 # output projection) to full size, so rounding noise there becomes update direction. Measured
-# after 6 steps at W=2-4: up to 3.7e-6 on the tied embedding and head (lr 0.008) and 1.2e-6 on an
+# after 6 steps at W=2-4 (these runs' earlier, longer form): up to 3.7e-6 on the tied embedding and head (lr 0.008) and 1.2e-6 on an
 # attention weight (lr 0.023), i.e. up to 2.1e-4 of the distance a parameter can move (its lr
 # summed over its steps); with adam_eps 1e-10, 1.1e-2 on the value embedding (8e-3 of its distance).
 # In fp64 the same comparison (W=2 vs W=3, on the 2025 architecture) differed by <4e-6 everywhere:

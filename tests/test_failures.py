@@ -85,7 +85,7 @@ def test_nonfinite_val_loss_stops_the_run(make_shards):
 
 def test_a_val_loss_above_step_0s_stops_the_run_as_diverged(make_shards):
     """`./run.sh --num_iterations 30 --adam_lr 1e10` ended at val loss 22.11 with exit 0: a finite
-    val loss a nat above the untrained model's (step 0's, near ln(vocab)) is divergence."""
+    val loss more than a nat above the untrained model's (step 0's, near ln(vocab)) is divergence."""
     def blow_up(step, model, optimizer):  # logits far from uniform: the loss climbs, finite (soft cap)
         if step == 3:
             with torch.no_grad():
@@ -98,7 +98,7 @@ def test_a_val_loss_above_step_0s_stops_the_run_as_diverged(make_shards):
                              lambda text, console=True: lines.append(text), on_step=blow_up)
     (_, first), (_, second), (_, third) = result.val_losses
     assert second < first < first + 1 < third and math.isfinite(third)
-    assert result.failure == f"diverged at step 4/8: val_loss is {third:.4f}, a nat above step 0's {first:.4f}"
+    assert result.failure == f"diverged at step 4/8: val_loss is {third:.4f}, more than a nat above step 0's {first:.4f}"
     assert result.exit_code == train_gpt.EXIT_DIVERGED and result.steps_done == 4
     assert lines[-2] == result.failure and PEAK.match(lines[-1])
 
