@@ -112,8 +112,7 @@ class Hyperparameters:
     bf16_weights: bool = True           # gates, head bf16; Muon's fp32 matrices read truncated to bf16, update and traffic bf16
     compile: bool = True                # torch.compile the model (--compile_scope: in how many graphs), the orthogonalizer
     compile_scope: str = "model"        # model: one graph, as the record; blocks: each block and the head alone
-    compile_adam: bool = False          # compile Adam's update, bf16 rounded where stored only, as the record (eager here
-                                    # until a GPU run checks it with every-other-step Adam)
+    compile_adam: bool = True           # compile Adam's update, bf16 rounded where stored only, as the record
     # optimization
     num_iterations: int = 1600          # training steps
     extension_steps: int = 40           # the last N of them run past the schedules: lr at final_lr_frac, final window
@@ -183,7 +182,7 @@ PRESETS = {
         attention_free_layers="", num_value_embeds=2, value_embed_layers="1.01", bigram_vocab_size=50304,
         skip_layers="1,2", backout_layer=2, paired_head_layers="0", window_pattern="SSSL", attn_block_size=64,
         window_schedule="1,3,5", window_final_blocks=6, window_validate_final_blocks=8, compile=False,
-        bf16_weights=False, num_iterations=120, extension_steps=4, val_every=40, warmup_steps=2,
+        compile_adam=False, bf16_weights=False, num_iterations=120, extension_steps=4, val_every=40, warmup_steps=2,
         adam_lr=0.016,  # twice the record's: at this width 120 steps reach 5.67 where 0.008 reaches 5.87
         warmup_at_transitions=False, muon_momentum_warmup_steps=50, muon_momentum_cooldown_steps=4,
         dist_timeout_s=120, check_every=1,  # a host sync costs nothing on CPU, and steps are long

@@ -102,7 +102,7 @@ TINY = dict(
     window_schedule="1,2,3", window_final_blocks=3, window_validate_final_blocks=4, attention_free_layers="2",
     num_value_embeds=1, value_embed_layers="0..0", paired_head_layers="0", skip_layers="0,3", backout_layer=1,
     bigram_vocab_size=300, val_tokens=512, micro_batches=1, num_iterations=4, extension_steps=1,
-    muon_momentum_cooldown_steps=1, val_every=2, warmup_steps=0, compile=False, fp8_head=False,
+    muon_momentum_cooldown_steps=1, val_every=2, warmup_steps=0, compile=False, compile_adam=False, fp8_head=False,
 )
 
 

@@ -21,7 +21,8 @@ PEER = Path(__file__).resolve().parents[1].parent / "shared" / "peers" / "modded
 # and no split embedding; plain Muon (Newton-Schulz, lr 0.05 x max(1, rows/cols)^0.5); fp32 weights.
 OPTIM_2025 = dict(adam_table="2025", adam_weight_decay=0.0, adam_every=1, embed_split_frac=0.0, muon_lr=0.05,
                   ns_method="newton_schulz", muon_update_scale="record", mlp_proj_lr_mult=1.0, normuon=False,
-                  weight_decay=0.0, muon_decay="lr", cautious_wd=False, bf16_weights=False)
+                  weight_decay=0.0, muon_decay="lr", cautious_wd=False, bf16_weights=False,
+                  compile_adam=False)  # its Adam ran eagerly (test_the_records_adam_runs_eagerly_as_the_preset_does)
 
 
 def test_adam_is_the_records_formula():

@@ -80,6 +80,7 @@ def test_training_configuration_rows():
     assert a.ce_backend == "auto"                          # the fused kernels where CUDA and Triton are (Hardware.detect)
     assert a.warmup_at_transitions and a.warmup_steps > 0  # warmup_steps = sorted({0, 1, 2} | ...) (P 1827)
     assert a.compile and a.compile_scope == "model"        # torch.compile(model, dynamic=False, fullgraph=True) (P 1812)
+    assert a.compile_adam                                  # @torch.compile(dynamic=False, fullgraph=True) (P 682-683)
 
 
 def test_schedules_at_their_boundaries():

@@ -240,8 +240,8 @@ def test_compiled_training_gives_the_eager_run(make_shards, monkeypatch, scope):
     """train() with --compile true: warmup (which compiles the training and validation graphs),
     its reset, the optimizer's backward hooks and validation all run through the compiled model,
     and give the eager run's losses; every Muon update goes through the compiled orthogonalizer;
-    Adam's update is compiled only where --compile_adam says so (here with blocks), eager as the
-    record's otherwise. The model and the orthogonalizer are captured with aot_eager (inductor's CPU
+    Adam's update is compiled only where --compile_adam says so (the preset's, as the 2026 record's;
+    here with blocks), eager otherwise (TINY's, the 2025 record's). The model and the orthogonalizer are captured with aot_eager (inductor's CPU
     code generation would take minutes; its numerics are checked on a GPU, bench/gpu_proof.py and
     bench/ns_compile.py); Adam's update is inductor's."""
     import torch._dynamo
@@ -288,7 +288,7 @@ def test_compiled_training_gives_the_eager_run(make_shards, monkeypatch, scope):
     if scope == "blocks":
         assert adam_calls == ["adam"] * len(adam_calls) and len(adam_calls) > 10
     else:
-        assert adam_calls == []  # the preset's Adam runs eagerly, as the record's
+        assert adam_calls == []  # --compile_adam false: eager
     # (4 warmup steps, TINY's 0-3 around its window changes, + 4 steps) x 2 Muon groups (qkvo and MLP
     # matrices; the 2026 table's gates are Adam's), all through the compiled function: torch.compile's
     # wrapper, not the eager orthogonalize
