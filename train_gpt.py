@@ -693,9 +693,10 @@ def orthogonalize_triton(G: torch.Tensor, method: str = "newton_schulz", coeffs:
 #
 # NorMuon trains the block matrices; Adam (on every adam_every-th step) the embeddings, the head, the
 # gates and the scalars. No DDP: in the last micro-step's backward, hooks launch each communication
-# unit once its gradients are final, in one order on every rank: a Muon bucket (same-shape matrices reduce-scattered whole, each rank
-# orthogonalizing its own, then all-gathered), a large Adam parameter (rows reduce-scattered) or the
-# small parameters (one all-reduce). Zero padding fills stacks to a multiple of the world size.
+# unit once its gradients are final, in one order on every rank: a Muon bucket (same-shape matrices
+# reduce-scattered whole, each rank orthogonalizing its own, then all-gathered), a large Adam
+# parameter (rows reduce-scattered) or the small parameters (one all-reduce). Zero padding fills
+# stacks to a multiple of the world size.
 
 @dataclass
 class ParamSpec:
@@ -1033,14 +1034,14 @@ class ShardedMuonAdam:
         for b, stack in zip(group["buckets"], stacks or [b.param_stack for b in group["buckets"]]):
             mine = new_params[start:start + b.per_rank]
             start += b.per_rank
-            sent = mine if stack.dtype == mine.dtype else bf16_truncated(mine)
+            sent = mine if stack.dtype == mine.dtype else bf16_truncation(mine).to(stack.dtype)
             work = self.comm.all_gather(stack, sent)
             def finish(b=b, work=work, stack=stack, mine=mine):
                 self.comm.wait(work)
                 torch._foreach_copy_([slot.view(slot.spec.param) for slot in b.slots], list(stack[:len(b.slots)]))
                 if stack.dtype != mine.dtype:
-                    owned = [(slot, m) for slot, m in zip(b.slots[self.rank * b.per_rank:], mine)]
-                    torch._foreach_copy_([slot.view(slot.spec.param) for slot, _ in owned], [m for _, m in owned])
+                    own = b.slots[self.rank * b.per_rank:(self.rank + 1) * b.per_rank]
+                    torch._foreach_copy_([slot.view(slot.spec.param) for slot in own], list(mine[:len(own)]))
             finishes.append(finish)
         return finishes
 
@@ -1104,8 +1105,8 @@ class ShardedMuonAdam:
             if self.adam_step_now or s.optimizer == "muon":
                 s.param.grad = None
 
-def bf16_truncated(t):  # the top 16 bits of fp32 values: the bf16 that as_compute reads
-    return torch.bitwise_and(t.view(torch.int32), -65536).view(torch.float32).to(torch.bfloat16)
+def bf16_truncation(t):  # fp32 values with their low 16 bits dropped: exactly the bf16 that as_compute reads
+    return torch.bitwise_and(t.view(torch.int32), -65536).view(torch.float32)
 
 def muon_apply(params, update, lr, decay, cautious):
     """p - lr*update (lr: a number, or one per matrix), with decoupled weight decay (cautious: only
@@ -1159,7 +1160,7 @@ def as_compute(w, dtype, truncate=False):
     mantissa: its fp32 master read by dropping the low bits): toward zero, not to nearest, the
     gradient passing straight to w (w - (w - t) is t exactly: they share an exponent)."""
     if truncate and dtype == torch.bfloat16 and w.dtype == torch.float32:
-        w = w - (w - torch.bitwise_and(w.detach().view(torch.int32), -65536).view(torch.float32)).detach()
+        w = w - (w - bf16_truncation(w.detach())).detach()
     return w.to(dtype)
 
 class Rotary(nn.Module):
@@ -2515,7 +2516,7 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
                     log(f"step:{step}/{N} val_loss:{val_loss:.4f} train_time:{training_time_ms:.0f}ms "
                         f"step_avg:{training_time_ms / max(step, 1):.2f}ms")
                     first = result.all_val_losses()[0]  # the same values on every rank
-                    # a nat above the untrained model's: a healthy run's first steps may wander a little above it
+                    # more than a nat above the untrained model's: a healthy run's first steps may wander above it
                     if not math.isfinite(val_loss) or (first[0] == 0 and step > 0 and val_loss > first[1] + 1):
                         above = f", more than a nat above step 0's {first[1]:.4f}" if math.isfinite(val_loss) else ""
                         result.failure = f"diverged at step {step}/{N}: val_loss is {val_loss:.4f}{above}"
