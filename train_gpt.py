@@ -1286,8 +1286,17 @@ class VarlenMask(NamedTuple):  # FlashAttention's varlen arguments: cu_seqlens, 
     longest: int
     window: int
 
-# varlen's capacity: T // 128 + 64 documents (the record's: T // 300 rounded up to 128; +64 for short sequences)
-VARLEN_MEAN_DOC_TOKENS, VARLEN_SPARE_DOCS = 128, 64
+# varlen's bounds. FlashAttention-2 launches ceil(max_seqlen / 128) x heads blocks for every entry of
+# cu_seqlens, padding included, so both stay as tight as is safe: in training the record's (T // 300
+# entries rounded up to 128: FineWeb's median document is ~400 tokens), in validation what its windows
+# hold (validation_document_bounds), known before the first.
+VARLEN_DOC_TOKENS, VARLEN_ROUNDING = 300, 128
+
+def _round_up(n, multiple):
+    return multiple * max(1, -(-int(n) // multiple))
+
+def varlen_capacity(T):  # documents in a training micro-batch: the record's cu_seqlens entries less the first
+    return _round_up(T // VARLEN_DOC_TOKENS, VARLEN_ROUNDING) - 1
 
 def document_starts(tokens, max_doc_len, capacity=None):
     """Each document's start (a BOS, and position 0) then T, padded with T to capacity + 1 entries, so
@@ -1297,11 +1306,20 @@ def document_starts(tokens, max_doc_len, capacity=None):
     T = tokens.numel()
     docs = document_ids(tokens)
     docs = docs - docs[0]  # the first document is number 0, a BOS at position 0 or not
-    positions = torch.arange((capacity or T // VARLEN_MEAN_DOC_TOKENS + VARLEN_SPARE_DOCS) + 1, device=tokens.device)
+    positions = torch.arange((capacity or varlen_capacity(T)) + 1, device=tokens.device)
     starts = torch.searchsorted(docs, positions, out_int32=True)  # document d's first position (T past the last)
     torch._assert_async((starts[-1] == T) & ((starts[1:] - starts[:-1]).max() <= max_doc_len),
-                        "varlen attention: more documents in a micro-batch than its capacity, or one too long")
+                        "varlen attention: more documents in a micro-batch than its capacity, or one too long "
+                        "(--attn_backend flex has no such bound)")
     return starts
+
+def validation_document_bounds(tokens, seq_len):
+    """(longest document, capacity) over the validation windows of seq_len tokens, a window cutting the
+    documents it splits; rounded up (cu_seqlens to 128 entries): varlen's bounds for every validation batch."""
+    n = (tokens.numel() - 1) // seq_len * seq_len
+    edges = torch.unique(torch.cat([torch.nonzero(tokens[:n] == BOS_TOKEN).flatten(), torch.arange(0, n + 1, seq_len)]))
+    longest, most = edges.diff().max().item(), torch.bincount(edges[:-1] // seq_len).max().item()
+    return min(_round_up(longest, VARLEN_ROUNDING), seq_len), _round_up(most + 1, VARLEN_ROUNDING) - 1
 
 def varlen_mask(tokens, window_blocks, block_size, max_doc_len, paired=False, capacity=None, starts=None):
     """The token-window mask as varlen_attn's arguments. window_blocks: an int (the kernel's argument).
@@ -1309,15 +1327,18 @@ def varlen_mask(tokens, window_blocks, block_size, max_doc_len, paired=False, ca
     starts = document_starts(tokens, max_doc_len, capacity) if starts is None else starts
     return VarlenMask((1 + paired) * starts, (1 + paired) * max_doc_len, window_blocks * block_size)
 
-def attention_masks(tokens, long_blocks, args, hw, short_blocks=None, kinds=("L", "S"), training=False):
+def attention_masks(tokens, long_blocks, args, hw, short_blocks=None, kinds=("L", "S"), training=False,
+                    eval_bounds=None):
     """Masks for the long and short windows (short: by default half the long one, at least a block);
     kinds "pL", "pS": over paired heads' sequence of 2T positions. varlen: windows as ints; documents
-    no longer than train_max_doc_len in training when packed (the loader cuts them), else T."""
+    no longer than train_max_doc_len in training when packed (the loader cuts them), else T; out of
+    training, eval_bounds (validation_document_bounds') where given."""
     if short_blocks is None:
         short_blocks = max(long_blocks // 2, 1) if isinstance(long_blocks, int) else torch.clamp(long_blocks // 2, min=1)
     if hw.attention == "varlen":
-        longest = min(args.train_max_doc_len or tokens.numel(), tokens.numel()) if training else tokens.numel()
-        build = functools.partial(varlen_mask, max_doc_len=longest, starts=document_starts(tokens, longest))
+        T = tokens.numel()
+        longest, capacity = (min(args.train_max_doc_len or T, T), None) if training else eval_bounds or (T, None)
+        build = functools.partial(varlen_mask, max_doc_len=longest, starts=document_starts(tokens, longest, capacity))
     else:
         build = functools.partial(flex_block_mask if hw.attention == "flex" else dense_attention_mask,
                                   token_window=args.token_windows)
@@ -1635,6 +1656,7 @@ class GPT(nn.Module):
                     p.data = p.data.bfloat16().float()
         self.fp8_scales = fp8_head_scales(D, args.fp8_scales)
         self.embed_tied = False  # set per step: embed_tied_at
+        self.varlen_eval_bounds = None  # varlen's (longest document, capacity) out of training: set by train()
         if hw.fp8_head:
             register_fp8_ops()
 
@@ -1659,7 +1681,8 @@ class GPT(nn.Module):
 
     def trunk(self, tokens, long_window_blocks, short_window_blocks=None):
         masks = attention_masks(tokens, long_window_blocks, self.args, self.hw, short_window_blocks,
-                                sorted({block.mask_kind for block in self.blocks if block.attn is not None}), self.training)
+                                sorted({block.mask_kind for block in self.blocks if block.attn is not None}), self.training,
+                                self.varlen_eval_bounds)
         # the embedding is the head's weights while tied (its gradient joins the head's, as the record's sum)
         x = (F.embedding(tokens, self.lm_head_w) if self.embed_tied else self.embed(tokens)).to(self.hw.compute_dtype)
         if self.args.smear:  # (across documents, as the record)
@@ -2339,6 +2362,8 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
         if not train_files:  # (the harness has said more)
             raise DataError(f"{args.train_files}: no training shard holds a BOS token ({BOS_TOKEN}): nothing would train")
         model = GPT(args, hw).to(hw.device)
+        if hw.attention == "varlen":  # validation's own set-up (its time is not the run's)
+            model.varlen_eval_bounds = validation_document_bounds(val_tokens, args.val_seq_len)
         optimizer = ShardedMuonAdam(param_specs(model, args), args, ranks, hw, collectives)
         if checkpoints is not None:  # now, not after minutes of compiling
             checkpoints.check_fits(model, optimizer, train_files)

@@ -978,6 +978,12 @@ def record_doc_tokens(torch, T, generator, device, max_doc_len=2048):
     return tokens.to(device)
 
 
+def validation_varlen_mask(tg, torch, tokens, window, block, paired):
+    """The varlen mask the trainer gives a validation window: its bounds from the window's documents."""
+    longest, capacity = tg.validation_document_bounds(torch.cat([tokens, tokens[:1]]).cpu(), tokens.numel())
+    return tg.varlen_mask(tokens, window, block, longest, paired=paired, capacity=capacity)
+
+
 def varlen_allowed(torch, mask, total):
     """What varlen_attn computes from a VarlenMask: query i sees key j in its segment with i - W <= j <= i."""
     pos = torch.arange(total, device=mask.starts.device)
@@ -1061,8 +1067,8 @@ def check_token_window_attention(rec, tg, torch, cuda, gen):
                  "no CPU kernel)")
     table = rec.table(f"Token windows (the 2026 record's): FlexAttention and varlen_attn through attend vs a "
                       f"{str(ref_dtype)[6:]} reference, {T} tokens in record-like documents (at most {longest}; "
-                      f"'whole': validation's, max = T), {H} heads of {D}, blocks of {block}; bound = 2 x SDPA's "
-                      "error + 1e-3", ["window (blocks)", "heads", "documents", "tensor", "flex err", "varlen err",
+                      f"'whole': validation's, uncut, bounds from the window's documents), {H} heads of {D}, "
+                      f"blocks of {block}; bound = 2 x SDPA's error + 1e-3", ["window (blocks)", "heads", "documents", "tensor", "flex err", "varlen err",
                                        "sdpa err", "bound", "ok"])
     scale = 0.12
     for window, paired, whole in ((1, False, False), (3, False, False), (13, False, False), (1, True, False),
@@ -1070,7 +1076,8 @@ def check_token_window_attention(rec, tg, torch, cuda, gen):
         tokens = record_doc_tokens(torch, T, gen, device, T if whole else longest)
         n, h = (2 * T, H // 2) if paired else (T, H)
         allowed = tg.dense_attention_mask(tokens, window, block, token_window=True, paired=paired)
-        vmask = tg.varlen_mask(tokens, window, block, T if whole else longest, paired=paired)
+        vmask = validation_varlen_mask(tg, torch, tokens, window, block, paired) if whole else \
+            tg.varlen_mask(tokens, window, block, longest, paired=paired)
         heads = f"{h} x {D}" + (" paired" if paired else "")
         docs = f"{int((tokens == tg.BOS_TOKEN).sum())}" + (" whole" if whole else "")
         rec.row(table, [window, heads, docs, "varlen mask = dense mask", None, None, None, None],
@@ -1266,7 +1273,8 @@ def time_attention(rec, ctx):
         n, h = (2 * T, H // 2) if paired else (T, H)
         builders = {"flex": lambda: tg.flex_block_mask(tokens, torch.tensor(window, device=device), block,
                                                       token_window=True, paired=paired),
-                    "varlen": lambda: tg.varlen_mask(tokens, window, block, bound, paired=paired)}
+                    "varlen": lambda: tg.varlen_mask(tokens, window, block, bound, paired=paired) if train
+                    else validation_varlen_mask(tg, torch, tokens, window, block, paired)}
         mask_ms = {name: rec.attempt(f"time {name} mask {T} {window}", time_call, torch, cuda, build)
                    for name, build in builders.items()}
         ms = {}

@@ -46,10 +46,14 @@ def varlen_attn_twin(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, sca
 
 @pytest.fixture
 def twin(monkeypatch):
+    """The twin in varlen_attn's place; the calls' windows, and in .bounds their (max_seqlen, cu_seqlens entries)."""
     import torch.nn.attention.varlen as varlen
-    calls = []
+    class Calls(list):
+        bounds = []
+    calls = Calls()
     def call(*a, **k):
         calls.append(k["window_size"])
+        calls.bounds.append((a[5], a[3].numel()))
         return varlen_attn_twin(*a, **k)
     monkeypatch.setattr(varlen, "varlen_attn", call)
     return calls
@@ -91,11 +95,40 @@ def test_varlen_starts_allow_what_the_dense_mask_allows(layout, window, paired):
     assert torch.equal(mask.starts[documents:], torch.full((capacity + 1 - documents,), total, dtype=torch.int32))
 
 
-def test_the_capacity_depends_on_the_length_only():
+def test_the_capacity_depends_on_the_length_only_and_is_the_records():
     for T_ in (128, 1024, 4096):
         shapes = {train_gpt.varlen_mask(tokens_with(T_, bos), 2, 128, T_).starts.shape
                   for bos in ([0], [3, 9, 60], list(range(0, T_, 64)))}
-        assert shapes == {(T_ // train_gpt.VARLEN_MEAN_DOC_TOKENS + train_gpt.VARLEN_SPARE_DOCS + 1,)}
+        assert shapes == {(train_gpt.varlen_capacity(T_) + 1,)}
+    # the record's cu_seqlens entries, next_multiple_of_n(T // 300, n=128), at 16Ki, 32Ki, 48Ki and validation's 256Ki
+    assert [train_gpt.varlen_capacity(T_) + 1 for T_ in (16384, 32768, 49152, 262144)] == [128, 128, 256, 896]
+    assert train_gpt.varlen_capacity(100) + 1 == 128  # (the record's rule gives none below 300 tokens)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_validation_bounds_hold_every_window_and_are_tight(seed):
+    """validation_document_bounds over the windows val_batches cuts: the longest document (or piece of one)
+    and the most documents of any window, rounded up to 128 (cu_seqlens entries); every window's starts
+    pass document_starts' check with them and equal those without a bound."""
+    g = torch.Generator().manual_seed(seed)
+    T_, windows = 1024, 5
+    tokens = torch.randint(0, BOS, (windows * T_ + 1 + seed,), generator=g)
+    if seed % 2:  # one window of many short documents: more than 127
+        tokens[2 * T_:3 * T_:5] = BOS
+    lengths = torch.randint(1, 700, (40,), generator=g).cumsum(0)
+    tokens[lengths[lengths < tokens.numel()]] = BOS
+    longest, capacity = train_gpt.validation_document_bounds(tokens.to(torch.uint16), T_)
+    exact_longest = exact_most = 0
+    for i in range((tokens.numel() - 1) // T_):
+        window = tokens[i * T_:(i + 1) * T_]
+        unbounded = train_gpt.document_starts(window, T_, capacity=T_)
+        documents = int((unbounded[1:] > unbounded[:-1]).sum())
+        exact_longest = max(exact_longest, int((unbounded[1:] - unbounded[:-1]).max()))
+        exact_most = max(exact_most, documents)
+        bounded = train_gpt.document_starts(window, longest, capacity)  # raises where a bound is too tight
+        assert torch.equal(bounded, unbounded[:capacity + 1])
+    assert longest == min(T_, -(-exact_longest // 128) * 128) and (capacity + 1) % 128 == 0
+    assert exact_most <= capacity < exact_most + 128 and (capacity > 127) == bool(seed % 2)
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
@@ -121,6 +154,11 @@ def test_attention_masks_give_each_kind_its_window_and_bound():
     evaluation = train_gpt.attention_masks(tokens, 5, args, hw, short_blocks=1, kinds=kinds)
     assert {k: (m.window, m.longest) for k, m in evaluation.items()} == \
         {"L": (40, T), "S": (8, T), "pL": (40, 2 * T), "pS": (8, 2 * T)}  # validation: documents whole
+    bounded = train_gpt.attention_masks(tokens, 5, args, hw, kinds=kinds, eval_bounds=(40, 7))  # the run's validation
+    assert {k: (m.longest, m.starts.numel()) for k, m in bounded.items()} == \
+        {"L": (40, 8), "S": (40, 8), "pL": (80, 8), "pS": (80, 8)}
+    assert train_gpt.attention_masks(tokens, 5, args, hw, training=True, eval_bounds=(40, 7))["L"].starts.numel() == \
+        train_gpt.varlen_capacity(T) + 1  # training keeps its own
     unpacked = train_gpt.attention_masks(tokens, 1, dataclasses.replace(args, train_max_doc_len=0), hw, training=True)
     assert unpacked["S"].window == 8 and unpacked["L"].longest == T
 
@@ -242,10 +280,10 @@ def test_the_training_loop_feeds_varlen_int_windows_and_packed_warmup_batches(tw
     """A packed record-like run (paired heads, windows staged, YaRN) with the varlen twin: the same
     losses as the dense path. The loop's windows must be ints there, and warmup's random batches
     hold documents no longer than the loader's (else the twin's unreached rows make them NaN)."""
-    train_glob, val_glob, _ = make_shards()
-    config = dict(TINY, train_files=train_glob, val_files=val_glob, num_iterations=2, val_every=0, warmup_steps=1, val_tokens=128,
-                  token_windows=True, train_max_doc_len=48, window_schedule="1,2", yarn=True, value_gates=True,
-                  paired_head_layers="0", attn_backend="varlen")
+    train_glob, val_glob, (_, val_stream) = make_shards(max_len=200)
+    config = dict(TINY, train_files=train_glob, val_files=val_glob, num_iterations=2, val_every=0, warmup_steps=1,
+                  val_tokens=1024, val_seq_len=512, token_windows=True, train_max_doc_len=48, window_schedule="1,2",
+                  yarn=True, value_gates=True, paired_head_layers="0", attn_backend="varlen")
     args = train_gpt.Hyperparameters(**config)
     cfg.check_config(args, 1, False)
     sdpa = train_gpt.Hardware.detect(args)
@@ -260,6 +298,11 @@ def test_the_training_loop_feeds_varlen_int_windows_and_packed_warmup_batches(tw
     (ref_train, ref_val), (train, val) = losses
     assert train == pytest.approx(ref_train, rel=1e-5) and [s for s, _ in val] == [s for s, _ in ref_val]
     assert [v for _, v in val] == pytest.approx([v for _, v in ref_val], rel=1e-5)  # (approx takes no pairs)
+    # validation's bounds come from its documents (at most 200 tokens here): under its 512, which the twin
+    # would have made NaN rows of had a document been longer; training's from the loader's cut (48)
+    bounds = train_gpt.validation_document_bounds(torch.from_numpy(val_stream[:1025].astype("int64")), 512)
+    assert bounds == (256, 127)
+    assert set(twin.bounds) == {(48, 128), (96, 128), (256, 128), (512, 128)}  # plain and paired, training and validation
 
 
 @pytest.mark.parametrize("flags, message", [
