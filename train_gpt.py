@@ -1289,7 +1289,7 @@ class VarlenMask(NamedTuple):  # FlashAttention's varlen arguments: cu_seqlens, 
 # varlen's bounds. FlashAttention-2 launches ceil(max_seqlen / 128) x heads blocks for every entry of
 # cu_seqlens, padding included, so both stay as tight as is safe: in training the record's (T // 300
 # entries rounded up to 128: FineWeb's median document is ~400 tokens), in validation what its windows
-# hold (validation_document_bounds), known before the first.
+# hold (validation_document_bounds, found at set-up, before the first validation).
 VARLEN_DOC_TOKENS, VARLEN_ROUNDING = 300, 128
 
 def _round_up(n, multiple):
@@ -1332,7 +1332,7 @@ def attention_masks(tokens, long_blocks, args, hw, short_blocks=None, kinds=("L"
     """Masks for the long and short windows (short: by default half the long one, at least a block);
     kinds "pL", "pS": over paired heads' sequence of 2T positions. varlen: windows as ints; documents
     no longer than train_max_doc_len in training when packed (the loader cuts them), else T; out of
-    training, eval_bounds (validation_document_bounds') where given."""
+    training, eval_bounds (validation_document_bounds') where given, else T and training's capacity."""
     if short_blocks is None:
         short_blocks = max(long_blocks // 2, 1) if isinstance(long_blocks, int) else torch.clamp(long_blocks // 2, min=1)
     if hw.attention == "varlen":
@@ -1656,7 +1656,9 @@ class GPT(nn.Module):
                     p.data = p.data.bfloat16().float()
         self.fp8_scales = fp8_head_scales(D, args.fp8_scales)
         self.embed_tied = False  # set per step: embed_tied_at
-        self.varlen_eval_bounds = None  # varlen's (longest document, capacity) out of training: set by train()
+        # varlen's (longest document, capacity) out of training: set by train() from its validation windows,
+        # which alone it then fits; None: T and training's capacity
+        self.varlen_eval_bounds = None
         if hw.fp8_head:
             register_fp8_ops()
 

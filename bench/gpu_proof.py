@@ -978,9 +978,14 @@ def record_doc_tokens(torch, T, generator, device, max_doc_len=2048):
     return tokens.to(device)
 
 
+def validation_bounds(tg, torch, tokens):
+    """The varlen bounds the trainer finds at set-up for validation, here of one window's documents."""
+    return tg.validation_document_bounds(torch.cat([tokens, tokens[:1]]).cpu(), tokens.numel())
+
+
 def validation_varlen_mask(tg, torch, tokens, window, block, paired):
-    """The varlen mask the trainer gives a validation window: its bounds from the window's documents."""
-    longest, capacity = tg.validation_document_bounds(torch.cat([tokens, tokens[:1]]).cpu(), tokens.numel())
+    """The varlen mask the trainer gives a validation window."""
+    longest, capacity = validation_bounds(tg, torch, tokens)
     return tg.varlen_mask(tokens, window, block, longest, paired=paired, capacity=capacity)
 
 
@@ -1243,7 +1248,7 @@ def time_attention(rec, ctx):
     """FlexAttention against varlen_attn (--attn_backend), each through the trainer's attend, at the 2026
     record's shapes: 16Ki and 48Ki tokens a micro-batch, 6 heads of 128 (paired: 3 over 2T positions),
     windows of 1 to 13 blocks, packed record-like documents; then one validation-sized forward pass,
-    documents whole (varlen's grid grows with its bound, T there). Largest first: a short budget
+    documents whole (varlen's bounds from them, as the trainer's). Largest first: a short budget
     times what the training steps mostly run."""
     import torch
     tg = import_trainer()
@@ -1268,13 +1273,13 @@ def time_attention(rec, ctx):
             rec.data["partial"] = True
             rec.note("attention timing: stopped early: the phase budget was spent")
             break
-        bound = longest if train else T
-        tokens = record_doc_tokens(torch, T, gen, device, bound)
+        tokens = record_doc_tokens(torch, T, gen, device, longest if train else T)
+        # validation's bounds come once per run (set-up), not with each mask: outside the timed call
+        bound, capacity = (longest, None) if train else validation_bounds(tg, torch, tokens)
         n, h = (2 * T, H // 2) if paired else (T, H)
         builders = {"flex": lambda: tg.flex_block_mask(tokens, torch.tensor(window, device=device), block,
                                                       token_window=True, paired=paired),
-                    "varlen": lambda: tg.varlen_mask(tokens, window, block, bound, paired=paired) if train
-                    else validation_varlen_mask(tg, torch, tokens, window, block, paired)}
+                    "varlen": lambda: tg.varlen_mask(tokens, window, block, bound, paired=paired, capacity=capacity)}
         mask_ms = {name: rec.attempt(f"time {name} mask {T} {window}", time_call, torch, cuda, build)
                    for name, build in builders.items()}
         ms = {}

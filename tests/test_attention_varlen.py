@@ -77,6 +77,22 @@ LAYOUTS = {  # BOS positions
 }
 
 
+@pytest.mark.parametrize("documents, piece, expected", [
+    (127, 128, (128, 127)), (128, 128, (128, 255)), (126, 129, (256, 127)), (1, 1024, (1024, 127))])
+def test_validation_bounds_at_their_rounding_edges(documents, piece, expected):
+    """A window of `documents` documents, the longest `piece` tokens: 127 documents fit 128 cu_seqlens
+    entries, 128 need the next 128; a 129-token piece needs a bound of 256; one document the whole window, T."""
+    T_ = 1024
+    tokens = torch.zeros(T_ + 1, dtype=torch.long)  # one window: documents - 1 short ones, then the piece
+    short = [(T_ - piece) // max(documents - 1, 1)] * (documents - 1)
+    short[:1] = [T_ - piece - sum(short[1:])] if short else []
+    tokens[torch.tensor([0] + short).cumsum(0)[:documents]] = BOS if documents > 1 else 0
+    longest, capacity = train_gpt.validation_document_bounds(tokens, T_)
+    starts = train_gpt.document_starts(tokens[:T_], T_, capacity=T_)
+    assert int((starts[1:] > starts[:-1]).sum()) == documents and int((starts[1:] - starts[:-1]).max()) == piece
+    assert (longest, capacity) == expected
+
+
 @pytest.mark.parametrize("paired", [False, True], ids=["plain", "paired"])
 @pytest.mark.parametrize("window", [1, 3])
 @pytest.mark.parametrize("layout", LAYOUTS)
