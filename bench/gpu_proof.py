@@ -1073,8 +1073,9 @@ def check_token_window_attention(rec, tg, torch, cuda, gen):
     table = rec.table(f"Token windows (the 2026 record's): FlexAttention and varlen_attn through attend vs a "
                       f"{str(ref_dtype)[6:]} reference, {T} tokens in record-like documents (at most {longest}; "
                       f"'whole': validation's, uncut, bounds from the window's documents), {H} heads of {D}, "
-                      f"blocks of {block}; bound = 2 x SDPA's error + 1e-3", ["window (blocks)", "heads", "documents", "tensor", "flex err", "varlen err",
-                                       "sdpa err", "bound", "ok"])
+                      f"blocks of {block}; bound = 2 x SDPA's error + 1e-3",
+                      ["window (blocks)", "heads", "documents", "tensor", "flex err", "varlen err", "sdpa err", "bound",
+                       "ok"])
     scale = 0.12
     for window, paired, whole in ((1, False, False), (3, False, False), (13, False, False), (1, True, False),
                                   (13, True, False), (13, False, True)):
