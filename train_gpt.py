@@ -1756,8 +1756,13 @@ def capped_multi_token_loss_torch(logits, targets, weights, height, shift, width
 
 if triton is not None:
     @triton.jit
+    def _as_fp32(scalar):  # torch.compile passes Python floats as fp64: the loop-carried max would change type
+        return tl.cast(scalar, tl.float32)
+
+    @triton.jit
     def _capped_loss_fwd_kernel(logits_ptr, losses_ptr, lse_ptr, targets_ptr, weights_ptr, row_stride, n_rows, n_cols,
                                 n_weights, height, shift, width, BLOCK: tl.constexpr):
+        height, shift, width = _as_fp32(height), _as_fp32(shift), _as_fp32(width)
         row = tl.program_id(0).to(tl.int64)
         row_ptr = logits_ptr + row * row_stride
         running_max, running_sum = -float("inf"), 0.0
@@ -1780,6 +1785,7 @@ if triton is not None:
     @triton.jit
     def _capped_loss_bwd_kernel(grad_ptr, grad_losses_ptr, logits_ptr, lse_ptr, targets_ptr, weights_ptr, row_stride,
                                 n_rows, n_cols, n_weights, height, shift, width, BLOCK: tl.constexpr):
+        height, shift, width = _as_fp32(height), _as_fp32(shift), _as_fp32(width)
         row = tl.program_id(0).to(tl.int64)
         lse, grad_loss = tl.load(lse_ptr + row), tl.load(grad_losses_ptr + row)
         weight_sum = 0.0  # each z's share of the softmax, over the row's predictions
