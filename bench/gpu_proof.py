@@ -856,6 +856,17 @@ def phase_correct(rec, ctx):
     for rows in (4096, 4133) if cuda else (45,):   # an odd count: a partial last row tile
         rec.attempt(f"fused MLP {rows} rows", check_fused_mlp, rec, mlp, tg, torch, rows, mlp_dim, device, dtype)
 
+    loss = rec.table(f"Fused multi-token loss (Triton: soft cap and cross-entropy, --ce_backend triton) vs the "
+                     f"PyTorch twin, {dname} logits, relative Frobenius error against fp64 on the same inputs; "
+                     "compiled: torch.compile'd whole, as in the compiled model (floats reach the kernel as fp64); "
+                     "bound = 1.5 x twin + floor", ["tensor", "shape", "triton err", "twin err", "triton vs twin",
+                                                    "bound", "ok"])
+    for compiled in (False, True) if cuda else (False,):
+        rec.attempt("fused loss" + " compiled" * compiled, check_capped_loss, rec, loss, tg, torch,
+                    4133 if cuda else 45, 50304 if cuda else 1000, device, dtype, compiled)
+    if not cuda:
+        rec.note("fused loss compiled: skipped: dynamo cannot trace the Triton interpreter")
+
     ortho = rec.table(f"orthogonalize_triton vs orthogonalize_torch ({dname}), relative error against the "
                       "fp64 twin; bound = 1.5 x twin + floor",
                       ["ns_method", "shape (batch)", "triton err", "twin err", "triton vs twin", "bound", "ok"])
@@ -944,6 +955,44 @@ def check_fused_mlp(rec, table, tg, torch, rows, dim, device, dtype):
         bound = twin_bound(twin_err, dname)
         rec.row(table, [name, f"{rows}x{dim}, hidden {4 * dim}", err, twin_err, rel_err(t, w), bound],
                 ok=err <= bound and t.dtype == dtype and tuple(t.shape) == tuple(w.shape))
+
+
+def check_capped_loss(rec, table, tg, torch, rows, vocab, device, dtype, compiled):
+    """CappedMultiTokenLoss (the training loss on CUDA) against capped_multi_token_loss_torch: the
+    per-row losses and the logits' gradient of their sum, at the preset's cap and the first third's
+    weights of the next 3 tokens; compiled, the way the compiled model launches the kernels."""
+    dname = str(dtype).removeprefix("torch.")
+    args = tg.Hyperparameters()
+    cap = (args.logit_cap_height, args.logit_cap_shift, args.logit_softcap / 2)
+    logits = (4 * torch.randn(rows, vocab, device=device)).to(dtype)   # a trained head's spread
+    targets = torch.randint(0, vocab, (rows,), device=device)
+    weights = torch.tensor([1.0, 0.5, 0.25], device=device)
+
+    def reference(z):  # the twin's formula, in z's dtype (the twin itself computes in fp32)
+        z = cap[0] * torch.sigmoid((z + cap[1]) / cap[2])
+        lse, losses = z.logsumexp(-1), torch.zeros(rows, dtype=z.dtype, device=device)
+        for k, w in enumerate(weights.tolist()):
+            losses[:rows - k] += w * (lse[:rows - k] - z[:rows - k].gather(1, targets[k:, None]).squeeze(1))
+        return losses
+
+    def run(fn, x):
+        x = x.detach().clone().requires_grad_()
+        losses = fn(x)
+        losses.sum().backward()
+        return losses.detach(), x.grad
+
+    kernel = lambda x: tg.CappedMultiTokenLoss.apply(x, targets, weights, *cap)   # noqa: E731
+    if compiled:
+        kernel = torch.compile(kernel, fullgraph=True, dynamic=False)
+    ref = run(reference, logits.double())
+    tri = run(kernel, logits)
+    twin = run(lambda x: tg.capped_multi_token_loss_torch(x, targets, weights, *cap), logits)
+    for name, t, w, r in zip(("losses" + " (compiled)" * compiled, "grad logits" + " (compiled)" * compiled),
+                             tri, twin, ref):
+        err, twin_err = rel_err(t, r), rel_err(w, r)
+        bound = twin_bound(twin_err, dname)
+        rec.row(table, [name, f"{rows}x{vocab}", err, twin_err, rel_err(t, w), bound],
+                ok=err <= bound and t.dtype == w.dtype and tuple(t.shape) == tuple(w.shape))
 
 
 def check_orthogonalize(rec, table, tg, torch, shape, method, device, dtype):
@@ -1172,15 +1221,19 @@ def compile_counts(tg, torch, argv, cuda, backend, fp8_head=None):
         model.compile_for_training(args.compile_scope, backend=backend)
         gen = torch.Generator().manual_seed(0)
         for step in (0, args.num_iterations // 2):
-            window = torch.tensor(tg.long_window_blocks_at(step, args), device=hw.device)
+            long = tg.long_window_blocks_at(step, args)   # (long, short) and the loss's weights, as train() passes them
+            windows = [b if hw.attention == "varlen" else torch.tensor(b, device=hw.device) for b in (long, max(long // 2, 1))]
+            # the weights' count changes by thirds (a graph each, which warmup compiles): round 2 keeps step 0's,
+            # so that it tests the window alone
+            mtp = torch.tensor(tg.mtp_weights_at(0, args), device=hw.device) if args.mtp else None
             model.train()
             tokens = doc_tokens(torch, args.train_seq_len + 1, 8, gen, hw.device)
-            model(tokens[:-1], tokens[1:], window).backward()
+            model(tokens[:-1], tokens[1:], *windows, mtp).backward()
             model.zero_grad(set_to_none=True)
             model.eval()
             with torch.no_grad():
                 tokens = doc_tokens(torch, args.val_seq_len + 1, 8, gen, hw.device)
-                model(tokens[:-1], tokens[1:], window)
+                model(tokens[:-1], tokens[1:], *windows)
             graphs.append(counters["stats"]["unique_graphs"])
         breaks = sum(counters["graph_break"].values())
         fallbacks = [r for r in counters["unimplemented"] if "recompile" in r.lower()]

@@ -14,13 +14,21 @@ A kernel with a float argument compiles again with it as fp64, as torch.compile 
 floats (inductor's user-defined-kernel signature), for the kernels the compiled model and
 orthogonalizer launch.
 
-Prints per kernel, specialization and config: shared memory against the architecture's limit per
-block (a config over it is skipped by the autotuner), compile seconds; then a summary. Exit status
-1 if any compile failed, or some kernel's specialization has no config that fits.
+Then (unless --no-capture) torch.compile's view of those launches: the model compiled for training
+at the record's scope, captured on the CPU (AOT autograd, no code generation) once with the torch
+twins (what bench/gpu_proof.py's correct phase expects of a GPU) and once with the GPU's fused loss
+and MLP, their launches recorded rather than run (dynamo told Triton is usable, as where a GPU is):
+the same graphs, no graph break, every fused kernel traced.
 
-Usage: python bench/triton_compile.py [--arch 90] [--json PATH]
+Prints per kernel, specialization and config: shared memory against the architecture's limit per
+block (a config over it is skipped by the autotuner), compile seconds; then a summary and the
+capture. Exit status 1 if any compile failed, some kernel's specialization has no config that
+fits, or the capture differs.
+
+Usage: python bench/triton_compile.py [--arch 90] [--json PATH] [--no-capture]
 """
 
+import contextlib
 import json
 import os
 import sys
@@ -59,33 +67,46 @@ class TargetOnly:
         return True
 
 
-def capture_launches(tg, torch):
-    """Every (kernel, signature, constexprs, attrs, options) the trainer's wrappers launch at the
-    speedrun's shapes, each autotuned kernel once per config; nothing is compiled or run."""
+@contextlib.contextmanager
+def launches_recorded(tg, every_config=True):
+    """Within: a Triton launch records (kernel, signature, constexprs, attrs, options) in the list
+    yielded, and neither compiles nor runs (outputs stay as allocated); an autotuned kernel records
+    each config of its list (every_config) or its first. The wrappers take CPU tensors."""
     from triton.runtime.autotuner import Autotuner
     from triton.runtime.jit import JITFunction
-    from bench.gpu_proof import muon_layout
-    launches = {}
+    launches, seen = [], set()
 
-    def capture(self, key, signature, device, constexprs, options, attrs, warmup):
-        entry = (self, dict(signature), dict(constexprs), dict(attrs), options)
-        launches.setdefault((self.fn.__name__, repr(sorted(signature.items())), repr(sorted(constexprs.items())),
-                             repr(options)), entry)
+    def record(self, key, signature, device, constexprs, options, attrs, warmup):
+        name = (self.fn.__name__, repr(sorted(signature.items())), repr(sorted(constexprs.items())), repr(options))
+        if name not in seen:
+            seen.add(name)
+            launches.append((self, dict(signature), dict(constexprs), dict(attrs), options))
         return None  # JITFunction.run then returns without launching
 
-    def every_config(self, *args, **kwargs):
+    def configs(self, *args, **kwargs):
         kwargs.pop("grid", None)
         kwargs.pop("warmup", None)
-        for config in self.configs:
+        for config in self.configs if every_config else self.configs[:1]:
             self.fn.run(*args, grid=None, warmup=True, **kwargs, **config.all_kwargs())
 
     saved = JITFunction._do_compile, JITFunction.run, Autotuner.run
     plain_run = JITFunction.run
-    JITFunction._do_compile = capture
+    JITFunction._do_compile = record
     JITFunction.run = lambda self, *a, grid, warmup, **kw: plain_run(self, *a, grid=grid, warmup=True, **kw)
-    Autotuner.run = every_config
+    Autotuner.run = configs
     tg.TRITON_INTERPRETING, interpreting = True, tg.TRITON_INTERPRETING  # the wrappers' CPU-tensor check only
     try:
+        yield launches
+    finally:
+        JITFunction._do_compile, JITFunction.run, Autotuner.run = saved
+        tg.TRITON_INTERPRETING = interpreting
+
+
+def capture_launches(tg, torch):
+    """Every launch the trainer's wrappers make at the speedrun's shapes, each autotuned kernel at
+    every config; nothing is compiled or run."""
+    from bench.gpu_proof import muon_layout
+    with launches_recorded(tg) as launches:
         bf16 = dict(dtype=torch.bfloat16)
         for (rows, cols), count in muon_layout(tg, torch)["per_rank"][8].items():
             for method in tg.NS_METHODS:  # uninitialized inputs: only shapes, strides and dtypes matter
@@ -96,10 +117,66 @@ def capture_launches(tg, torch):
         logits = torch.empty(64, 50304, **bf16, requires_grad=True)
         weights = torch.tensor([1.0, 0.5, 0.25])
         tg.CappedMultiTokenLoss.apply(logits, torch.zeros(64, dtype=torch.long), weights, 23.0, 5.0, 7.5).sum().backward()
+    return launches
+
+
+@contextlib.contextmanager
+def dynamo_sees_triton(torch):
+    """torch.compile treats Triton kernels as it does where a GPU is (has_triton() is False on a
+    CPU-only machine, and dynamo would trace into Triton's launcher instead)."""
+    import torch.utils._triton as triton_utils
+    original = triton_utils.has_triton
+    holders = [m for m in list(sys.modules.values()) if getattr(m, "has_triton", None) is original]
+    for module in holders:
+        module.has_triton = lambda: True
+    try:
+        yield
     finally:
-        JITFunction._do_compile, JITFunction.run, Autotuner.run = saved
-        tg.TRITON_INTERPRETING = interpreting
-    return list(launches.values())
+        for module in holders:
+            module.has_triton = original
+
+
+def capture_compiled(tg, torch):
+    """The model compiled for training at the record's scope (gpu_proof.compile_counts: a training
+    step and a validation pass at two window sizes, AOT autograd, no code generation) with the
+    torch twins, as the CPU capture bench/gpu_proof.py expects, and with the GPU's fused loss and
+    MLP: their graphs, graph breaks and the Triton launches traced; and the fused loss compiled
+    alone, its kernels' place in the forward and backward graphs."""
+    import dataclasses
+    from bench.gpu_proof import compile_counts
+    layout = ["--preset", "speedrun", "--num_layers", "4", "--window_pattern", "LSSL", "--attention_free_layers", "2",
+              "--num_value_embeds", "1", "--value_embed_layers", "0..0", "--paired_head_layers", "1",
+              "--skip_layers", "1,3", "--backout_layer", "1", "--device", "cpu", "--model_dim", "32",
+              "--num_heads", "2", "--head_dim", "16", "--attn_block_size", "32", "--train_seq_len", "32",
+              "--val_seq_len", "128", "--compile_scope", "model"]
+    out = dict(twins=compile_counts(tg, torch, layout, False, "aot_eager", fp8_head=True))
+    detect = tg.Hardware.detect
+    tg.Hardware.detect = lambda args: dataclasses.replace(detect(args), ce_backend="triton", mlp_backend="triton")
+    try:
+        with dynamo_sees_triton(torch), launches_recorded(tg, every_config=False) as launches:
+            out["gpu_kernels"] = compile_counts(tg, torch, layout, False, "aot_eager", fp8_head=True)
+        out["gpu_kernels"]["launched"] = sorted({fn.fn.__name__ for fn, *_ in launches})
+    finally:
+        tg.Hardware.detect = detect
+    from torch._dynamo.backends.common import aot_autograd
+    graphs = {}
+
+    def keep(kind):
+        def compiler(graph, example_inputs):
+            graphs[kind] = [str(n.target) for n in graph.graph.nodes if n.op == "call_function"]
+            return graph
+        return compiler
+
+    loss = torch.compile(lambda logits, targets, weights: tg.CappedMultiTokenLoss.apply(
+        logits, targets, weights, 23.0, 5.0, 7.5).sum(), fullgraph=True, dynamic=False,
+        backend=aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward")))
+    torch._dynamo.reset()
+    with dynamo_sees_triton(torch), launches_recorded(tg, every_config=False):
+        logits = torch.empty(64, 512, dtype=torch.bfloat16, requires_grad=True)
+        loss(logits, torch.zeros(64, dtype=torch.long), torch.tensor([1.0, 0.5, 0.25])).backward()
+    torch._dynamo.reset()
+    out["loss_kernels_in_graph"] = {kind: ops.count("triton_kernel_wrapper_functional") for kind, ops in graphs.items()}
+    return out
 
 
 def kernels_of(tg):
@@ -111,7 +188,7 @@ def kernels_of(tg):
     return sorted(name for name in found if not any(f"{name}(" in src for other, src in sources.items() if other != name))
 
 
-def compile_all(arch):
+def compile_all(arch, capture=True):
     import torch
     import triton
     from triton.compiler import ASTSource
@@ -145,8 +222,12 @@ def compile_all(arch):
             row["seconds"] = round(time.perf_counter() - start, 2)
             rows.append(row)
     configs = {name: len(getattr(getattr(tg, name), "configs", [None])) for name in expected}
+    try:
+        capture = capture_compiled(tg, torch) if capture else None
+    except Exception as e:  # noqa: BLE001 - reported with the compiles
+        capture = dict(error=f"{type(e).__name__}: {' '.join(str(e).split())[-600:]}")
     return dict(triton=triton.__version__, torch=torch.__version__, arch=arch, shared_limit=SHARED_LIMIT.get(arch),
-                kernels=expected, configs=configs, rows=rows)
+                kernels=expected, configs=configs, rows=rows, capture=capture)
 
 
 def summarize(report):
@@ -178,7 +259,26 @@ def summarize(report):
         lines.append(f"NO CONFIG LEFT {g[0]} ({g[1]}, {g[2]}): every config failed or is over the limit")
     for name in missing:
         lines.append(f"NOT REACHED {name}: no wrapper launched it (add it to capture_launches)")
-    return "\n".join(lines), bool(failed or no_fit or missing)
+    capture, capture_bad = report["capture"], True
+    if capture is None:
+        capture_bad = False
+    elif "error" in capture:
+        lines.append(f"FAILED the torch.compile capture: {capture['error']}")
+    else:
+        counts = lambda c: (f"{c['graphs_round1']} graphs, {c['graph_breaks']} graph breaks, "  # noqa: E731
+                            f"{c['new_graphs_round2']} new at a later window")
+        twins, gpu, in_graph = capture["twins"], capture["gpu_kernels"], capture["loss_kernels_in_graph"]
+        fused = ["_capped_loss_bwd_kernel", "_capped_loss_fwd_kernel", "_relu_square_matmul_kernel"]
+        capture_bad = not (gpu["graphs_round1"] == twins["graphs_round1"] and gpu["graph_breaks"] == 0
+                           and gpu["new_graphs_round2"] == 0 and gpu["launched"] == fused
+                           and in_graph == {"forward": 1, "backward": 1})
+        lines += ["", "torch.compile of the model for training, the record's scope (CPU capture: AOT autograd, no code "
+                      "generation; a 4-block layout):",
+                  f"  torch twins (the CPU capture bench/gpu_proof.py expects): {counts(twins)}",
+                  f"  the GPU's fused loss and MLP: {counts(gpu)}; kernels traced: {', '.join(gpu['launched']) or 'none'}",
+                  f"  the fused loss compiled alone: {in_graph.get('forward', 0)} kernel in its forward graph, "
+                  f"{in_graph.get('backward', 0)} in its backward" + ("" if not capture_bad else "  NOT AS EXPECTED")]
+    return "\n".join(lines), bool(failed or no_fit or missing or capture_bad)
 
 
 def main(argv=None):
@@ -186,6 +286,7 @@ def main(argv=None):
     p.add_argument("--arch", type=int, default=90, help="compute capability x 10: 90 (H100, H200; the default), "
                    + ", ".join(f"{a} ({name})" for a, name in GPU_NAMES.items() if a != 90))
     p.add_argument("--json", default=None, metavar="PATH", help="also write the rows to PATH as JSON")
+    p.add_argument("--no-capture", action="store_true", help="compile the kernels only: no torch.compile capture")
     opts = p.parse_args(argv)
     if opts.arch not in SHARED_LIMIT:
         p.error(f"--arch={opts.arch}: expected one of {', '.join(map(str, SHARED_LIMIT))} (compute capability x 10)")
@@ -193,7 +294,7 @@ def main(argv=None):
         p.error(f"--json={opts.json}: already exists; give a new file path")
     if opts.json and not os.path.isdir(os.path.dirname(os.path.abspath(opts.json))):
         p.error(f"--json={opts.json}: its folder does not exist")
-    report = compile_all(opts.arch)
+    report = compile_all(opts.arch, capture=not opts.no_capture)
     text, bad = summarize(report)
     print(text)
     if opts.json:

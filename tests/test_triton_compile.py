@@ -1,8 +1,9 @@
 """Every Triton kernel of train_gpt.py compiles for Hopper (sm_90, the speedrun's H100 and H200),
 without a GPU: bench/triton_compile.py compiles each one to a cubin as a GPU run would, at every
-autotune config, eagerly and as torch.compile launches it (floats as fp64). The interpreter the
-rest of the suite runs kernels in checks none of this (loop-carried types, tensor-core layouts,
-shared memory)."""
+autotune config, eagerly and as torch.compile launches it (floats as fp64), and captures the
+compiled model with the GPU's fused kernels. The interpreter the rest of the suite runs kernels
+in checks none of this (loop-carried types, tensor-core layouts, shared memory, dynamo's view of
+a Triton launch)."""
 
 import json
 import os
@@ -19,11 +20,11 @@ pytestmark = pytest.mark.slow  # a fresh process compiling 100 kernels: the full
 pytest.importorskip("triton", reason="Triton is not installed (torch ships it on Linux only)")
 
 
-def compile_report(root, tmp_path, cache):
+def compile_report(root, tmp_path, cache, *options):
     out = tmp_path / "report.json"
     env = dict(os.environ, TRITON_CACHE_DIR=str(cache))  # the script itself leaves the interpreter
-    proc = subprocess.run([sys.executable, str(root / "bench" / "triton_compile.py"), "--arch", "90", "--json", str(out)],
-                          capture_output=True, text=True, env=env, timeout=900)
+    proc = subprocess.run([sys.executable, str(root / "bench" / "triton_compile.py"), "--arch", "90", "--json", str(out),
+                           *options], capture_output=True, text=True, env=env, timeout=900)
     return proc, (json.loads(out.read_text()) if out.exists() else None)
 
 
@@ -59,6 +60,21 @@ def test_every_kernel_compiles_for_hopper_at_every_config_and_fits_its_shared_me
     assert "0 failed; every config fits in shared memory" in proc.stdout
 
 
+def test_the_compiled_model_captures_the_gpus_fused_kernels_whole(hopper):
+    """torch.compile of the model at the record's scope (CPU capture, AOT autograd) with the fused
+    loss and MLP a GPU run takes: the same graphs as with the torch twins (what bench/gpu_proof.py
+    expects of a GPU), no graph break, the three kernels' launches traced; compiled alone, the loss
+    puts one kernel in its forward graph and one in its backward."""
+    capture = hopper[1]["capture"]
+    assert "error" not in capture, capture
+    twins, gpu = capture["twins"], capture["gpu_kernels"]
+    assert twins["graphs_round1"] == gpu["graphs_round1"] == 4   # training, validation and the FP8 op bodies
+    assert twins["new_graphs_round2"] == gpu["new_graphs_round2"] == 0
+    assert twins["graph_breaks"] == gpu["graph_breaks"] == 0 and gpu["eager_fallbacks"] == 0
+    assert gpu["launched"] == ["_capped_loss_bwd_kernel", "_capped_loss_fwd_kernel", "_relu_square_matmul_kernel"]
+    assert capture["loss_kernels_in_graph"] == {"forward": 1, "backward": 1}
+
+
 def test_a_kernel_the_interpreter_runs_but_a_gpu_cannot_compile_is_named(hopper, tmp_path):
     """The loss kernel before its fp32 casts: under torch.compile its running max became fp64 in
     the loop (a CompilationError on any GPU), while the interpreter ran it and the tests passed."""
@@ -73,7 +89,8 @@ def test_a_kernel_the_interpreter_runs_but_a_gpu_cannot_compile_is_named(hopper,
     assert source.count(cast) == 2 and source.index(cast, forward) < source.index("def _capped_loss_bwd_kernel(")
     at = source.index(cast, forward)
     (copy / "train_gpt.py").write_text(source[:at] + source[at + len(cast):])
-    proc, report = compile_report(copy, tmp_path, hopper[2])  # the other kernels from the first run's cache
+    proc, report = compile_report(copy, tmp_path, hopper[2], "--no-capture")  # the others: the first run's cache
+    assert report["capture"] is None
     assert proc.returncode == 1
     failed = [r for r in report["rows"] if not r["ok"]]
     assert [(r["kernel"], r["launch"]) for r in failed] == [("_capped_loss_fwd_kernel", "compiled")]
