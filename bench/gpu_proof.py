@@ -959,40 +959,41 @@ def check_fused_mlp(rec, table, tg, torch, rows, dim, device, dtype):
 
 def check_capped_loss(rec, table, tg, torch, rows, vocab, device, dtype, compiled):
     """CappedMultiTokenLoss (the training loss on CUDA) against capped_multi_token_loss_torch: the
-    per-row losses and the logits' gradient of their sum, at the preset's cap and the first third's
-    weights of the next 3 tokens; compiled, the way the compiled model launches the kernels."""
-    dname = str(dtype).removeprefix("torch.")
+    per-row losses and the logits' gradient of their sum, at the preset's cap, with the first third's
+    weights of the next 3 tokens and the last third's single one (a kernel of its own: a count of 1
+    is a constexpr); compiled, the way the compiled model launches the kernels."""
     args = tg.Hyperparameters()
-    cap = (args.logit_cap_height, args.logit_cap_shift, args.logit_softcap / 2)
+    cap = (args.logit_cap_height or 2 * args.logit_softcap, args.logit_cap_shift, args.logit_softcap / 2)  # GPT.head's
     logits = (4 * torch.randn(rows, vocab, device=device)).to(dtype)   # a trained head's spread
-    targets = torch.randint(0, vocab, (rows,), device=device)
-    weights = torch.tensor([1.0, 0.5, 0.25], device=device)
+    targets = torch.randint(0, vocab, (rows + 1,), device=device)[1:]   # the loader's view, off alignment
 
-    def reference(z):  # the twin's formula, in z's dtype (the twin itself computes in fp32)
+    def reference(z, weights):  # the twin's formula, in z's dtype (the twin itself computes in fp32)
         z = cap[0] * torch.sigmoid((z + cap[1]) / cap[2])
         lse, losses = z.logsumexp(-1), torch.zeros(rows, dtype=z.dtype, device=device)
         for k, w in enumerate(weights.tolist()):
             losses[:rows - k] += w * (lse[:rows - k] - z[:rows - k].gather(1, targets[k:, None]).squeeze(1))
         return losses
 
-    def run(fn, x):
+    def run(fn, x, weights):
         x = x.detach().clone().requires_grad_()
-        losses = fn(x)
+        losses = fn(x, weights)
         losses.sum().backward()
         return losses.detach(), x.grad
 
-    kernel = lambda x: tg.CappedMultiTokenLoss.apply(x, targets, weights, *cap)   # noqa: E731
+    kernel = lambda x, weights: tg.CappedMultiTokenLoss.apply(x, targets, weights, *cap)   # noqa: E731
     if compiled:
         kernel = torch.compile(kernel, fullgraph=True, dynamic=False)
-    ref = run(reference, logits.double())
-    tri = run(kernel, logits)
-    twin = run(lambda x: tg.capped_multi_token_loss_torch(x, targets, weights, *cap), logits)
-    for name, t, w, r in zip(("losses" + " (compiled)" * compiled, "grad logits" + " (compiled)" * compiled),
-                             tri, twin, ref):
-        err, twin_err = rel_err(t, r), rel_err(w, r)
-        bound = twin_bound(twin_err, dname)
-        rec.row(table, [name, f"{rows}x{vocab}", err, twin_err, rel_err(t, w), bound],
-                ok=err <= bound and t.dtype == w.dtype and tuple(t.shape) == tuple(w.shape))
+    for values in ([1.0, 0.5, 0.25], [1.0]):
+        weights = torch.tensor(values, device=device)
+        ref = run(reference, logits.double(), weights)
+        tri = run(kernel, logits, weights)
+        twin = run(lambda x, w: tg.capped_multi_token_loss_torch(x, targets, w, *cap), logits, weights)
+        label = f" ({len(values)} weight{'s' * (len(values) > 1)}{', compiled' * compiled})"
+        for name, t, w, r in zip(("losses" + label, "grad logits" + label), tri, twin, ref):
+            err, twin_err = rel_err(t, r), rel_err(w, r)
+            bound = twin_bound(twin_err, str(t.dtype).removeprefix("torch."))  # losses: fp32 of exact bf16 inputs
+            rec.row(table, [name, f"{rows}x{vocab}", err, twin_err, rel_err(t, w), bound],
+                    ok=err <= bound and t.dtype == w.dtype and tuple(t.shape) == tuple(w.shape))
 
 
 def check_orthogonalize(rec, table, tg, torch, shape, method, device, dtype):

@@ -33,6 +33,7 @@ import json
 import os
 import sys
 import time
+from unittest import mock
 
 os.environ.pop("TRITON_INTERPRET", None)  # before triton is imported: real compilation, not the interpreter
 
@@ -77,7 +78,8 @@ def launches_recorded(tg, every_config=True):
     launches, seen = [], set()
 
     def record(self, key, signature, device, constexprs, options, attrs, warmup):
-        name = (self.fn.__name__, repr(sorted(signature.items())), repr(sorted(constexprs.items())), repr(options))
+        name = (self.fn.__name__, repr(sorted(signature.items())), repr(sorted(constexprs.items())),
+                repr(sorted(attrs.items())), repr(options))
         if name not in seen:
             seen.add(name)
             launches.append((self, dict(signature), dict(constexprs), dict(attrs), options))
@@ -114,9 +116,10 @@ def capture_launches(tg, torch):
         x, fc = torch.empty(128, 768, **bf16), torch.empty(768, 3072, **bf16)
         pre, _ = tg.relu_square_matmul_triton(x, fc)
         tg.relu_square_matmul_triton(x, fc, pre)  # the backward's epilogue
-        logits = torch.empty(64, 50304, **bf16, requires_grad=True)
-        weights = torch.tensor([1.0, 0.5, 0.25])
-        tg.CappedMultiTokenLoss.apply(logits, torch.zeros(64, dtype=torch.long), weights, 23.0, 5.0, 7.5).sum().backward()
+        tokens = torch.zeros(65, dtype=torch.long)  # targets: the loader's tokens[1:], 8 bytes off alignment
+        for weights in ([1.0, 0.5, 0.25], [1.0]):  # the last third's single weight: n_weights == 1, a constexpr
+            logits = torch.empty(64, 50304, **bf16, requires_grad=True)
+            tg.CappedMultiTokenLoss.apply(logits, tokens[1:], torch.tensor(weights), 23.0, 5.0, 7.5).sum().backward()
     return launches
 
 
@@ -126,13 +129,16 @@ def dynamo_sees_triton(torch):
     CPU-only machine, and dynamo would trace into Triton's launcher instead)."""
     import torch.utils._triton as triton_utils
     original = triton_utils.has_triton
-    holders = [m for m in list(sys.modules.values()) if getattr(m, "has_triton", None) is original]
-    for module in holders:
-        module.has_triton = lambda: True
+
+    def usable():
+        return True
+
+    for module in [m for m in list(sys.modules.values()) if getattr(m, "has_triton", None) is original]:
+        module.has_triton = usable
     try:
         yield
-    finally:
-        for module in holders:
+    finally:  # modules imported inside took the stand-in by name too
+        for module in [m for m in list(sys.modules.values()) if getattr(m, "has_triton", None) is usable]:
             module.has_triton = original
 
 
@@ -151,13 +157,11 @@ def capture_compiled(tg, torch):
               "--val_seq_len", "128", "--compile_scope", "model"]
     out = dict(twins=compile_counts(tg, torch, layout, False, "aot_eager", fp8_head=True))
     detect = tg.Hardware.detect
-    tg.Hardware.detect = lambda args: dataclasses.replace(detect(args), ce_backend="triton", mlp_backend="triton")
-    try:
-        with dynamo_sees_triton(torch), launches_recorded(tg, every_config=False) as launches:
-            out["gpu_kernels"] = compile_counts(tg, torch, layout, False, "aot_eager", fp8_head=True)
-        out["gpu_kernels"]["launched"] = sorted({fn.fn.__name__ for fn, *_ in launches})
-    finally:
-        tg.Hardware.detect = detect
+    gpu_backends = staticmethod(lambda args: dataclasses.replace(detect(args), ce_backend="triton", mlp_backend="triton"))
+    with mock.patch.object(tg.Hardware, "detect", gpu_backends), dynamo_sees_triton(torch), \
+            launches_recorded(tg, every_config=False) as launches:
+        out["gpu_kernels"] = compile_counts(tg, torch, layout, False, "aot_eager", fp8_head=True)
+    out["gpu_kernels"]["launched"] = sorted({fn.fn.__name__ for fn, *_ in launches})
     from torch._dynamo.backends.common import aot_autograd
     graphs = {}
 
@@ -206,7 +210,8 @@ def compile_all(arch, capture=True):
             names = [p.name for p in fn.params]
             flags = {(names[k[0]] if isinstance(k, tuple) else k): v for k, v in constexprs.items()}
             dtype = next(v.lstrip("*") for v in sig.values() if v.startswith("*"))  # the first pointer's
-            spec = ", ".join([dtype] + [f"{k}={v}" for k, v in flags.items() if isinstance(v, bool)])
+            spec = ", ".join([dtype] + [f"{k}={v}" for k, v in flags.items() if isinstance(v, bool)
+                                        or not k.startswith(("BLOCK", "stride")) and isinstance(v, int)])
             config = " ".join([f"{k}={v}" for k, v in flags.items() if k.startswith("BLOCK")]
                               + [f"warps={options.num_warps}", f"stages={options.num_stages}"])
             row = dict(kernel=fn.fn.__name__, launch=launch, specialization=spec, config=config,
@@ -250,7 +255,7 @@ def summarize(report):
     over = [r for r in rows if r["ok"] and limit is not None and r["shared"] > limit]
     missing = sorted(set(report["kernels"]) - {r["kernel"] for r in rows})
     lines += ["", f"{len(rows)} compiles of {len({r['kernel'] for r in rows})} kernels in "
-                  f"{sum(r['seconds'] for r in rows):.0f} s: {len(failed)} failed; "
+                  f"{sum(r['seconds'] for r in rows):.0f} s (a kernel in Triton's cache takes ~0 s): {len(failed)} failed; "
                   + (f"{len(over)} configs over the shared-memory limit (the autotuner skips them)" if over
                      else "every config fits in shared memory" if limit else "shared-memory limit unknown")]
     for r in failed:

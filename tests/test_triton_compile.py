@@ -54,6 +54,8 @@ def test_every_kernel_compiles_for_hopper_at_every_config_and_fits_its_shared_me
     specs = {(r["kernel"], r["specialization"]) for r in rows}
     assert ("_gram_kernel", "bf16, WITH_ROW_ABS_SUM=True, IEEE_FP32=False") in specs  # aol's first Gram
     assert {("_relu_square_matmul_kernel", f"bf16, FORWARD={f}, IEEE_FP32=False") for f in (True, False)} <= specs
+    for loss in ("_capped_loss_fwd_kernel", "_capped_loss_bwd_kernel"):  # 3 weights, and the last third's 1
+        assert {spec for kernel, spec in specs if kernel == loss} == {"bf16", "bf16, n_weights=1"}
     # the kernels with float arguments, as torch.compile launches them too (the orthogonalizer and the loss)
     compiled = {r["kernel"] for r in rows if r["launch"] == "compiled"}
     assert compiled == {"_sym_poly_kernel", "_poly_apply_kernel", "_capped_loss_fwd_kernel", "_capped_loss_bwd_kernel"}
@@ -93,9 +95,10 @@ def test_a_kernel_the_interpreter_runs_but_a_gpu_cannot_compile_is_named(hopper,
     assert report["capture"] is None
     assert proc.returncode == 1
     failed = [r for r in report["rows"] if not r["ok"]]
-    assert [(r["kernel"], r["launch"]) for r in failed] == [("_capped_loss_fwd_kernel", "compiled")]
+    assert [(r["kernel"], r["launch"], r["specialization"]) for r in failed] == [
+        ("_capped_loss_fwd_kernel", "compiled", "bf16"), ("_capped_loss_fwd_kernel", "compiled", "bf16, n_weights=1")]
     assert "Loop-carried variable running_max has initial type fp32 but is re-assigned to fp64" in failed[0]["error"]
-    assert re.search(r"1 failed", proc.stdout) and "FAILED _capped_loss_fwd_kernel (compiled" in proc.stdout
+    assert re.search(r": 2 failed;", proc.stdout) and "FAILED _capped_loss_fwd_kernel (compiled" in proc.stdout
 
 
 @pytest.mark.parametrize("args, message", [
