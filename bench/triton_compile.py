@@ -20,12 +20,19 @@ twins (what bench/gpu_proof.py's correct phase expects of a GPU) and once with t
 and MLP, their launches recorded rather than run (dynamo told Triton is usable, as where a GPU is):
 the same graphs, no graph break, every fused kernel traced.
 
+With --inductor (sm_90 only, minutes; not run by the tests), inductor's own code for the speedrun
+preset's forward graphs on an H100: torch.cuda answers for an H100 that is not there, the model's
+parameters are fake CUDA tensors, and inductor generates and compiles every kernel (FlexAttention's
+templates among them) without loading or running one: a training micro-step's forward (the FP8
+head, the fused loss and MLP) and a validation pass. The backward graphs are out of reach: tracing
+them needs the autograd engine, which asks the CUDA driver for the device.
+
 Prints per kernel, specialization and config: shared memory against the architecture's limit per
 block (a config over it is skipped by the autotuner), compile seconds; then a summary and the
 capture. Exit status 1 if any compile failed, some kernel's specialization has no config that
 fits, or the capture differs.
 
-Usage: python bench/triton_compile.py [--arch 90] [--json PATH] [--no-capture]
+Usage: python bench/triton_compile.py [--arch 90] [--json PATH] [--no-capture] [--inductor]
 """
 
 import contextlib
@@ -183,6 +190,118 @@ def capture_compiled(tg, torch):
     return out
 
 
+class CompiledNotRun(Exception):
+    """Raised in place of running inductor's output: there is no GPU to run it on."""
+
+
+@contextlib.contextmanager
+def absent_h100(torch):
+    """torch.cuda answers for an H100 that is not there, so that inductor generates its code for one
+    and compiles its kernels (Triton's stand-in driver gives the target), never loading or launching
+    them: the kernels are recorded by name. Inductor passes that would benchmark on the GPU (shape
+    padding) or run ops on it (constant folding of the joint graph) are off."""
+    import types
+    import torch._inductor.config as inductor_config
+    import torch._inductor.runtime.triton_helpers as triton_helpers
+    from torch._dynamo.device_interface import CudaInterface
+    from torch._inductor.runtime import triton_heuristics
+    props = types.SimpleNamespace(
+        name="NVIDIA H100 80GB HBM3 (absent)", major=9, minor=0, multi_processor_count=132, total_memory=80 * 2 ** 30,
+        warp_size=32, max_threads_per_multi_processor=2048, max_threads_per_block=1024, regs_per_multiprocessor=65536,
+        shared_memory_per_block_optin=SHARED_LIMIT[90], shared_memory_per_multiprocessor=233472,
+        L2_cache_size=50 * 2 ** 20, gcnArchName="", is_integrated=False, uuid="0", clock_rate=1980000,
+        memory_clock_rate=2619000, memory_bus_width=5120)
+    kernels = []
+
+    def record(self):  # in place of loading the compiled kernels onto the device
+        kernels.append(self.inductor_meta.get("kernel_name"))
+
+    patches = [(torch.cuda, "device_count", lambda: 1), (torch.cuda, "current_device", lambda: 0),
+               (torch.cuda, "get_device_properties", lambda device=None: props),
+               (torch.cuda, "get_device_capability", lambda device=None: (9, 0)),
+               (torch.cuda, "get_device_name", lambda device=None: props.name),
+               (torch.cuda, "is_bf16_supported", lambda *a, **k: True),
+               (CudaInterface, "get_device_properties", staticmethod(lambda device=None: props)),  # bound at import
+               (CudaInterface, "current_device", staticmethod(lambda: 0)),
+               (CudaInterface, "device_count", staticmethod(lambda: 1)),
+               (CudaInterface, "is_bf16_supported", staticmethod(lambda *a, **k: True)),
+               (triton_helpers, "set_driver_to_gpu", lambda: None),
+               (triton_heuristics.CachingAutotuner, "_make_launchers", record),
+               (triton_heuristics.CachingAutotuner, "_dynamic_scale_rblock", lambda self: None),
+               (inductor_config, "compile_threads", 1),   # in this process, where the patches are
+               (inductor_config, "joint_graph_constant_folding", False), (inductor_config, "shape_padding", False),
+               (inductor_config, "fx_graph_cache", False)]
+    with contextlib.ExitStack() as stack:
+        for owner, name, value in patches:
+            stack.enter_context(mock.patch.object(owner, name, value))
+        stack.enter_context(dynamo_sees_triton(torch))
+        yield kernels
+
+
+def inductor_forward_graphs(tg, torch):
+    """Inductor's code for the speedrun preset's forward graphs on an H100, generated and compiled
+    without one (fake CUDA tensors, nothing runs): a training micro-step's forward at step 0 (16Ki
+    tokens, the FP8 head, the fused loss and MLP) and a validation pass. The backward graphs are not
+    reached: tracing them needs the autograd engine, which asks the CUDA driver for the device."""
+    import dataclasses
+    from torch._inductor.compile_fx import compile_fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    args = tg.harness("config").parse_config(["--preset", "speedrun"], {}, world_size=1, cuda_available=True)
+    tg.register_fp8_ops()
+    tg.register_mlp_ops()
+    cuda = torch.device("cuda", 0)
+    hw = dataclasses.replace(tg.Hardware.detect(args), device=cuda, compute_dtype=torch.bfloat16, attention="flex",
+                             fp8_head=True, ns_backend="triton", ce_backend="triton", mlp_backend="triton")
+    with torch.device("meta"):
+        model = tg.GPT(args, dataclasses.replace(hw, device=torch.device("meta")))
+    for module in model.modules():
+        if hasattr(module, "hw"):
+            module.hw = hw
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake:  # every parameter and buffer a fake CUDA tensor of its shape and dtype
+        for module in model.modules():
+            for name, p in list(module.named_parameters(recurse=False)):
+                setattr(module, name, torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=cuda),
+                                                         requires_grad=p.requires_grad))
+            for name, b in list(module.named_buffers(recurse=False)):
+                setattr(module, name, torch.empty(b.shape, dtype=b.dtype, device=cuda))
+
+    def backend(graph, example_inputs):
+        compile_fx(graph, example_inputs)
+        def not_run(*inputs):
+            raise CompiledNotRun
+        return not_run
+
+    results = {}
+    with absent_h100(torch) as kernels:
+        for graph, training in (("training forward", True), ("validation forward", False)):
+            torch._dynamo.reset()
+            start, before = time.perf_counter(), len(kernels)
+            model.train(training)
+            T = tg.train_seq_len_at(0, args) if training else args.val_seq_len
+            long = tg.long_window_blocks_at(0, args)
+            with fake:
+                tokens = torch.zeros(T + 1, dtype=torch.long, device=cuda)
+                windows = [torch.tensor(b, device=cuda) for b in (long, max(long // 2, 1))]
+                mtp = torch.tensor(tg.mtp_weights_at(0, args), device=cuda) if training else None
+                compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
+                try:
+                    with torch.no_grad():
+                        compiled(tokens[:-1], tokens[1:], *windows, mtp)
+                    error = "ran: expected CompiledNotRun"
+                except CompiledNotRun:
+                    error = None
+                except Exception as e:  # noqa: BLE001 - reported: the cause first, then where
+                    words = ' '.join(str(e).split())
+                    error = f"{type(e).__name__}: {words[:400]}" + (f" ... {words[-300:]}" if len(words) > 700 else words[400:])
+            names = kernels[before:]
+            results[graph] = dict(tokens=T, kernels=len(names), flex_attention=sum("flex_attention" in n for n in names),
+                                  ours=sorted({n.rsplit("_", 1)[0] for n in names if not n.startswith("triton_")}),
+                                  seconds=round(time.perf_counter() - start, 1), error=error)
+        torch._dynamo.reset()
+    return results
+
+
 def kernels_of(tg):
     """train_gpt's launched kernels: its Triton functions that no other one calls."""
     from triton.runtime.autotuner import Autotuner
@@ -192,7 +311,7 @@ def kernels_of(tg):
     return sorted(name for name in found if not any(f"{name}(" in src for other, src in sources.items() if other != name))
 
 
-def compile_all(arch, capture=True):
+def compile_all(arch, capture=True, inductor=False):
     import torch
     import triton
     from triton.compiler import ASTSource
@@ -231,8 +350,12 @@ def compile_all(arch, capture=True):
         capture = capture_compiled(tg, torch) if capture else None
     except Exception as e:  # noqa: BLE001 - reported with the compiles
         capture = dict(error=f"{type(e).__name__}: {' '.join(str(e).split())[-600:]}")
+    try:
+        forward = inductor_forward_graphs(tg, torch) if inductor else None
+    except Exception as e:  # noqa: BLE001 - reported with the compiles
+        forward = dict(error=f"{type(e).__name__}: {' '.join(str(e).split())[-600:]}")
     return dict(triton=triton.__version__, torch=torch.__version__, arch=arch, shared_limit=SHARED_LIMIT.get(arch),
-                kernels=expected, configs=configs, rows=rows, capture=capture)
+                kernels=expected, configs=configs, rows=rows, capture=capture, inductor=forward)
 
 
 def summarize(report):
@@ -283,7 +406,19 @@ def summarize(report):
                   f"  the GPU's fused loss and MLP: {counts(gpu)}; kernels traced: {', '.join(gpu['launched']) or 'none'}",
                   f"  the fused loss compiled alone: {in_graph.get('forward', 0)} kernel in its forward graph, "
                   f"{in_graph.get('backward', 0)} in its backward" + ("" if not capture_bad else "  NOT AS EXPECTED")]
-    return "\n".join(lines), bool(failed or no_fit or missing or capture_bad)
+    forward, forward_bad = report["inductor"], False
+    if forward is not None:
+        lines += ["", "Inductor's code for the speedrun preset's forward graphs on an H100, generated and compiled without "
+                      "one (the backward graphs need a CUDA driver):"]
+        if "error" in forward and len(forward) == 1:
+            forward_bad = True
+            lines.append(f"  FAILED: {forward['error']}")
+        for graph, r in ((g, r) for g, r in forward.items() if g != "error"):
+            forward_bad |= r["error"] is not None
+            lines.append(f"  {graph} ({r['tokens']:,} tokens): " + (f"FAILED {r['error']}" if r["error"] else
+                         f"{r['kernels']} kernels compiled ({r['flex_attention']} of them FlexAttention's, ours: "
+                         f"{', '.join(r['ours']) or 'none'}) in {r['seconds']:.0f} s"))
+    return "\n".join(lines), bool(failed or no_fit or missing or capture_bad or forward_bad)
 
 
 def main(argv=None):
@@ -292,14 +427,18 @@ def main(argv=None):
                    + ", ".join(f"{a} ({name})" for a, name in GPU_NAMES.items() if a != 90))
     p.add_argument("--json", default=None, metavar="PATH", help="also write the rows to PATH as JSON")
     p.add_argument("--no-capture", action="store_true", help="compile the kernels only: no torch.compile capture")
+    p.add_argument("--inductor", action="store_true", help="also generate and compile inductor's code for the "
+                   "speedrun's forward graphs on an H100 (--arch 90; minutes)")
     opts = p.parse_args(argv)
     if opts.arch not in SHARED_LIMIT:
         p.error(f"--arch={opts.arch}: expected one of {', '.join(map(str, SHARED_LIMIT))} (compute capability x 10)")
+    if opts.inductor and opts.arch != 90:
+        p.error(f"--inductor: generates code for an H100 only (--arch 90), not --arch={opts.arch}")
     if opts.json and os.path.exists(opts.json):
         p.error(f"--json={opts.json}: already exists; give a new file path")
     if opts.json and not os.path.isdir(os.path.dirname(os.path.abspath(opts.json))):
         p.error(f"--json={opts.json}: its folder does not exist")
-    report = compile_all(opts.arch, capture=not opts.no_capture)
+    report = compile_all(opts.arch, capture=not opts.no_capture, inductor=opts.inductor)
     text, bad = summarize(report)
     print(text)
     if opts.json:

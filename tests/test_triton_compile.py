@@ -106,6 +106,7 @@ def test_a_kernel_the_interpreter_runs_but_a_gpu_cannot_compile_is_named(hopper,
     (["--arch", "sm90"], "argument --arch: invalid int value: 'sm90'"),
     (["--json", "{tmp}/no/report.json"], "--json={tmp}/no/report.json: its folder does not exist"),
     (["--json", "{tmp}/old.json"], "--json={tmp}/old.json: already exists; give a new file path"),
+    (["--inductor", "--arch", "80"], "--inductor: generates code for an H100 only (--arch 90), not --arch=80"),
 ])
 def test_bad_options_fail_in_one_line_before_any_compile(tmp_path, args, message):
     (tmp_path / "old.json").write_text("kept")
