@@ -23,14 +23,16 @@ the same graphs, no graph break, every fused kernel traced.
 With --inductor (sm_90 only, minutes; not run by the tests), inductor's own code for the speedrun
 preset's forward graphs on an H100: torch.cuda answers for an H100 that is not there, the model's
 parameters are fake CUDA tensors, and inductor generates and compiles every kernel (FlexAttention's
-templates among them) without loading or running one: a training micro-step's forward (the FP8
-head, the fused loss and MLP) and a validation pass. The backward graphs are out of reach: tracing
-them needs the autograd engine, which asks the CUDA driver for the device.
+templates among them) without loading or running one: step 0's training forward (with the fused
+loss; the FP8 head and the fused MLP are custom ops, opaque to it) and a validation pass. Both are
+traced under no_grad (inference graphs: no saved activations, FlexAttention without its
+logsumexp); a training step's partitioned forward and the backward graphs are out of reach:
+tracing them needs the autograd engine, which asks the CUDA driver for the device.
 
 Prints per kernel, specialization and config: shared memory against the architecture's limit per
 block (a config over it is skipped by the autotuner), compile seconds; then a summary and the
 capture. Exit status 1 if any compile failed, some kernel's specialization has no config that
-fits, or the capture differs.
+fits, the capture differs, or (--inductor) a forward graph failed or lacks what the preset's has.
 
 Usage: python bench/triton_compile.py [--arch 90] [--json PATH] [--no-capture] [--inductor]
 """
@@ -214,7 +216,7 @@ def absent_h100(torch):
     kernels = []
 
     def record(self):  # in place of loading the compiled kernels onto the device
-        kernels.append(self.inductor_meta.get("kernel_name"))
+        kernels.append(self.inductor_meta.get("kernel_name") or "?")
 
     patches = [(torch.cuda, "device_count", lambda: 1), (torch.cuda, "current_device", lambda: 0),
                (torch.cuda, "get_device_properties", lambda device=None: props),
@@ -240,9 +242,11 @@ def absent_h100(torch):
 
 def inductor_forward_graphs(tg, torch):
     """Inductor's code for the speedrun preset's forward graphs on an H100, generated and compiled
-    without one (fake CUDA tensors, nothing runs): a training micro-step's forward at step 0 (16Ki
-    tokens, the FP8 head, the fused loss and MLP) and a validation pass. The backward graphs are not
-    reached: tracing them needs the autograd engine, which asks the CUDA driver for the device."""
+    without one (fake CUDA tensors, nothing runs): step 0's training forward (16Ki tokens, the
+    embedding tied to the head, the fused loss; the FP8 head and the fused MLP are custom ops, opaque
+    to inductor) and a validation pass. Traced under no_grad: inference graphs (no saved activations,
+    FlexAttention without its logsumexp), not the partitioned forward of a training step, whose
+    tracing, like the backward's, needs the autograd engine, which asks the CUDA driver for the device."""
     import dataclasses
     from torch._inductor.compile_fx import compile_fx
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -278,6 +282,7 @@ def inductor_forward_graphs(tg, torch):
             torch._dynamo.reset()
             start, before = time.perf_counter(), len(kernels)
             model.train(training)
+            model.embed_tied = tg.embed_tied_at(0, args)   # as train()'s windows(0) sets it
             T = tg.train_seq_len_at(0, args) if training else args.val_seq_len
             long = tg.long_window_blocks_at(0, args)
             with fake:
@@ -295,7 +300,9 @@ def inductor_forward_graphs(tg, torch):
                     words = ' '.join(str(e).split())
                     error = f"{type(e).__name__}: {words[:400]}" + (f" ... {words[-300:]}" if len(words) > 700 else words[400:])
             names = kernels[before:]
-            results[graph] = dict(tokens=T, kernels=len(names), flex_attention=sum("flex_attention" in n for n in names),
+            # inductor names its kernels triton_*, FlexAttention's templates triton_tem_*flex_attention*; others are ours
+            results[graph] = dict(tokens=T, kernels=len(names),
+                                  flex_attention=sum(n.startswith("triton_tem_") and "flex_attention" in n for n in names),
                                   ours=sorted({n.rsplit("_", 1)[0] for n in names if not n.startswith("triton_")}),
                                   seconds=round(time.perf_counter() - start, 1), error=error)
         torch._dynamo.reset()
@@ -414,10 +421,16 @@ def summarize(report):
             forward_bad = True
             lines.append(f"  FAILED: {forward['error']}")
         for graph, r in ((g, r) for g, r in forward.items() if g != "error"):
-            forward_bad |= r["error"] is not None
+            # nothing compiled, no FlexAttention, or the fused loss gone from training's graph: not the preset's graph
+            missing = (r["error"] is None and (not r["kernels"] or not r["flex_attention"] or graph == "training forward"
+                                               and "_capped_loss_fwd_kernel" not in r["ours"]))
+            forward_bad |= r["error"] is not None or missing
             lines.append(f"  {graph} ({r['tokens']:,} tokens): " + (f"FAILED {r['error']}" if r["error"] else
-                         f"{r['kernels']} kernels compiled ({r['flex_attention']} of them FlexAttention's, ours: "
-                         f"{', '.join(r['ours']) or 'none'}) in {r['seconds']:.0f} s"))
+                         f"{r['kernels']} kernels ({r['flex_attention']} FlexAttention templates; train_gpt's: "
+                         f"{', '.join(r['ours']) or 'none'}) in {r['seconds']:.0f} s"
+                         + ("  NOT THE PRESET'S GRAPH" if missing else "")))
+        lines.append("  (under no_grad: inference graphs; kernels the two share are counted in both; inductor's shape "
+                     "padding, joint-graph constant folding and reduction re-tuning, which need a GPU, are off)")
     return "\n".join(lines), bool(failed or no_fit or missing or capture_bad or forward_bad)
 
 
