@@ -509,6 +509,10 @@ if triton is not None:
             tl.store(ptr + rows[:, None] * stride_col + cols[None, :] * stride_row, tile, mask=mask)
 
     @triton.jit
+    def _as_fp32(scalar):  # torch.compile passes Python floats as fp64 scalars: uncast, the math would be fp64
+        return tl.cast(scalar, tl.float32)
+
+    @triton.jit
     def _mma(left, right, acc, IEEE_FP32: tl.constexpr):
         # fp32 inputs would silently use TF32: full precision keeps them comparable with the twin
         if IEEE_FP32:
@@ -569,8 +573,7 @@ if triton is not None:
         a_tile = _load_tile(a_ptr, rows, cols, stride_am, stride_an, m, m)
         if HAS_SCALE:  # rounded like the dot operands: b*A and c*A@A see the same A
             a_tile = (a_tile.to(tl.float32) * row_scale[:, None] * col_scale[None, :]).to(a_ptr.dtype.element_ty)
-        # torch.compile passes floats as fp64 scalars: uncast, the accumulator would be fp64
-        acc = tl.cast(coef_c, tl.float32) * acc + tl.cast(coef_b, tl.float32) * a_tile.to(tl.float32)
+        acc = _as_fp32(coef_c) * acc + _as_fp32(coef_b) * a_tile.to(tl.float32)
         _store_symmetric_tile(b_ptr, acc, rows, cols, stride_bm, stride_bn, m, off_diagonal)
 
     @triton.autotune(configs=_rect_tile_configs(), key=["m", "n"])
@@ -594,7 +597,7 @@ if triton is not None:
         if HAS_SCALE:
             row_scale = tl.load(scale_ptr + rows, mask=rows < m, other=0.0)
             x_tile = (x_tile.to(tl.float32) * row_scale[:, None]).to(x_ptr.dtype.element_ty)
-        acc = tl.cast(coef_a, tl.float32) * x_tile.to(tl.float32)
+        acc = _as_fp32(coef_a) * x_tile.to(tl.float32)
         for k0 in range(0, m, BLOCK_K):
             left = _load_tile(b_ptr, rows, k0 + inner, stride_bm, stride_bk, m, m)
             right = _load_tile(x_ptr, k0 + inner, cols, stride_xm, stride_xn, m, n)
@@ -1755,10 +1758,6 @@ def capped_multi_token_loss_torch(logits, targets, weights, height, shift, width
     return losses
 
 if triton is not None:
-    @triton.jit
-    def _as_fp32(scalar):  # torch.compile passes Python floats as fp64: the loop-carried max would change type
-        return tl.cast(scalar, tl.float32)
-
     @triton.jit
     def _capped_loss_fwd_kernel(logits_ptr, losses_ptr, lse_ptr, targets_ptr, weights_ptr, row_stride, n_rows, n_cols,
                                 n_weights, height, shift, width, BLOCK: tl.constexpr):

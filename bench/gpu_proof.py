@@ -1248,20 +1248,23 @@ def compile_counts(tg, torch, argv, cuda, backend, fp8_head=None):
                 hw=f"{hw.device.type}, {hw.attention}, fp8={hw.fp8_head}{bodies}")
 
 
+# The smoke run proves the compile check's code path on a 4-block layout (fewer graphs to trace).
+SMOKE_LAYOUT = ["--num_layers", "4", "--window_pattern", "LSSL", "--attention_free_layers", "2", "--num_value_embeds",
+                "1", "--value_embed_layers", "0..0", "--paired_head_layers", "1", "--skip_layers", "1,3",
+                "--backout_layer", "1"]
+# A CPU capture is small: the graphs do not depend on sizes, and torch._scaled_mm on a CPU can be a scalar
+# loop (17 ns per multiply-add on a Sapphire Rapids VM: 75 s per scope at 256 tokens of width 64).
+CPU_CAPTURE_SIZES = ["--device", "cpu", "--model_dim", "32", "--num_heads", "2", "--head_dim", "16",
+                     "--attn_block_size", "32", "--train_seq_len", "32", "--val_seq_len", "128"]
+
+
 def check_compile(rec, tg, torch, cuda):
     """The CUDA run against a CPU capture of the same layout with the same FP8 choice. The CPU
     capture attends with SDPA (FlexAttention has no CPU backward): which attention a block calls
     does not change how many graphs the blocks need, and the CUDA count checks that. The smoke run
     captures the FP8 layout an H100 runs (its measured count is the expected one)."""
-    layout = ["--preset", "speedrun"]
-    if not cuda:   # the smoke run proves the code path on a 4-block layout (fewer graphs to trace)
-        layout += ["--num_layers", "4", "--window_pattern", "LSSL", "--attention_free_layers", "2",
-                   "--num_value_embeds", "1", "--value_embed_layers", "0..0", "--paired_head_layers", "1",
-                   "--skip_layers", "1,3", "--backout_layer", "1"]
-    # Small: the graphs do not depend on sizes, and torch._scaled_mm on a CPU can be a scalar loop
-    # (17 ns per multiply-add on a Sapphire Rapids VM: 75 s per scope at 256 tokens of width 64).
-    cpu_argv = layout + ["--device", "cpu", "--model_dim", "32", "--num_heads", "2", "--head_dim", "16",
-                         "--attn_block_size", "32", "--train_seq_len", "32", "--val_seq_len", "128"]
+    layout = ["--preset", "speedrun"] + ([] if cuda else SMOKE_LAYOUT)
+    cpu_argv = layout + CPU_CAPTURE_SIZES
     table = rec.table("torch.compile of the model for training (model.compile_for_training, backend aot_eager: "
                       "graph capture and AOT backward, no code generation, except the FP8 op bodies, which "
                       "train_gpt.py compiles with inductor on CUDA; the train phase counts the "

@@ -51,6 +51,8 @@ sys.path.insert(0, REPO_ROOT)
 
 from data.cli_util import OneLineArgumentParser  # noqa: E402
 
+CAP = (23.0, 5.0, 7.5)  # the preset's soft cap (height, shift, width); a compile sees only that they are floats
+
 # Largest shared memory a block may opt into, bytes (CUDA programming guide, compute capabilities)
 SHARED_LIMIT = {80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
 GPU_NAMES = {80: "A100", 86: "RTX 30", 87: "Orin", 89: "L4, L40, RTX 40", 90: "H100, H200", 100: "B200",
@@ -128,7 +130,7 @@ def capture_launches(tg, torch):
         tokens = torch.zeros(65, dtype=torch.long)  # targets: the loader's tokens[1:], 8 bytes off alignment
         for weights in ([1.0, 0.5, 0.25], [1.0]):  # the last third's single weight: n_weights == 1, a constexpr
             logits = torch.empty(64, 50304, **bf16, requires_grad=True)
-            tg.CappedMultiTokenLoss.apply(logits, tokens[1:], torch.tensor(weights), 23.0, 5.0, 7.5).sum().backward()
+            tg.CappedMultiTokenLoss.apply(logits, tokens[1:], torch.tensor(weights), *CAP).sum().backward()
     return launches
 
 
@@ -158,12 +160,8 @@ def capture_compiled(tg, torch):
     MLP: their graphs, graph breaks and the Triton launches traced; and the fused loss compiled
     alone, its kernels' place in the forward and backward graphs."""
     import dataclasses
-    from bench.gpu_proof import compile_counts
-    layout = ["--preset", "speedrun", "--num_layers", "4", "--window_pattern", "LSSL", "--attention_free_layers", "2",
-              "--num_value_embeds", "1", "--value_embed_layers", "0..0", "--paired_head_layers", "1",
-              "--skip_layers", "1,3", "--backout_layer", "1", "--device", "cpu", "--model_dim", "32",
-              "--num_heads", "2", "--head_dim", "16", "--attn_block_size", "32", "--train_seq_len", "32",
-              "--val_seq_len", "128", "--compile_scope", "model"]
+    from bench.gpu_proof import CPU_CAPTURE_SIZES, SMOKE_LAYOUT, compile_counts
+    layout = ["--preset", "speedrun", *SMOKE_LAYOUT, *CPU_CAPTURE_SIZES, "--compile_scope", "model"]  # the smoke run's
     out = dict(twins=compile_counts(tg, torch, layout, False, "aot_eager", fp8_head=True))
     detect = tg.Hardware.detect
     gpu_backends = staticmethod(lambda args: dataclasses.replace(detect(args), ce_backend="triton", mlp_backend="triton"))
@@ -181,7 +179,7 @@ def capture_compiled(tg, torch):
         return compiler
 
     loss = torch.compile(lambda logits, targets, weights: tg.CappedMultiTokenLoss.apply(
-        logits, targets, weights, 23.0, 5.0, 7.5).sum(), fullgraph=True, dynamic=False,
+        logits, targets, weights, *CAP).sum(), fullgraph=True, dynamic=False,
         backend=aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward")))
     torch._dynamo.reset()
     with dynamo_sees_triton(torch), launches_recorded(tg, every_config=False):
