@@ -19,6 +19,8 @@ for path in (ROOT, ROOT / "data", ROOT / "records"):
 # by bench/gpu_proof.py. Subprocesses (train_gpt.py, run.sh) inherit both.
 os.environ["CUDA_VISIBLE_DEVICES"] = os.environ["HIP_VISIBLE_DEVICES"] = ""   # NVIDIA, AMD
 os.environ["TRITON_INTERPRET"] = "1"
+# No test may wait on the Hugging Face hub (the downloader's tests use a local fake hub).
+os.environ["HF_HUB_OFFLINE"] = "1"
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

@@ -40,3 +40,15 @@ def test_relative_links_point_at_files_and_headings_that_exist(path):
         elif anchor and linked.suffix == ".md" and anchor not in anchors(linked):
             broken.append(target)
     assert broken == []
+
+
+def test_ci_runs_the_readme_test_command_exactly():
+    """.ci/run installs, then runs the README's full-suite command as README prints it: no variable
+    exported or flag added that a user copying the README would lack."""
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(r"## Test\n+```bash\n(.*?)```", readme, re.S)[1]
+    suite = [line.partition("#")[0].strip() for line in block.splitlines() if "pytest" in line][0]
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()
+          if line.strip() and not line.lstrip().startswith("#")]
+    assert ci[-1] == suite
+    assert not [line for line in ci if line.startswith("export") or "=" in line.split()[0]]
