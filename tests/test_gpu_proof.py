@@ -523,6 +523,28 @@ def test_total_cuts_each_phase_to_what_is_left_and_skips_one_with_too_little(tmp
     assert json.loads(copy.read_text()) == report
 
 
+def test_total_counts_the_option_checks_time(tmp_path, monkeypatch):
+    """--total is the whole command's time: what parse_args spends (its checks load torch in child
+    processes, tens of seconds on a fresh machine) comes off the phases' time, so a lease's command
+    ends within the time its call was given."""
+    clock = [1000.0]
+    monkeypatch.setattr(gpu_proof.time, "time", lambda: clock[0])
+    budgets = {}
+
+    def fake_phase(phase, out, budget, env):
+        budgets[phase] = budget
+        clock[0] += 10
+        result = gpu_proof.new_phase_result(phase)
+        result["status"] = "ok"
+        return result
+    monkeypatch.setattr(gpu_proof, "run_phase_process", fake_phase)
+    opts = gpu_proof.parse_args(["--cpu-smoke", "--out", str(tmp_path / "out"), "--phases", "env,correct",
+                                 "--total", "150"])
+    clock[0] += 40   # the checks' child processes
+    gpu_proof.run_proof(opts)
+    assert budgets == {"env": 60, "correct": 150 - 40 - 10 - gpu_proof.TOTAL_MARGIN_S}
+
+
 def logged_settings(log):
     """The trainer's settings as its log lists them (name=value lines after the code)."""
     header = log.read_text().split("=" * 100)[-2]   # between the code and the output
