@@ -2039,7 +2039,8 @@ def phase_warm(rec, ctx):
     and peer phases after it start in minutes less (the last validation's window still compiles
     at the end of each timed run: no warmup has it). Two cold start-ups one after the other take
     more than a 15-minute lease holds; compiling is mostly CPU work, so the two run at once where
-    the GPU's memory holds both (how much that saves is for a GPU run to show). The autotuning
+    the GPU's memory holds both (how much that saves is for a GPU run to show; one that runs out of
+    memory beside the other goes again alone, see run_jobs). The autotuning
     choices they saved are removed after them (or, if this phase is cut short, by the next train
     or peer phase): made with two processes on one GPU, they could be slower ones. With those
     gone, and inductor's cache entries holding code rather than kernels tuned down to one
@@ -2077,7 +2078,11 @@ def phase_warm(rec, ctx):
     with open(marker, "w") as f:
         f.write(repr(since))
     # Ended 15 s before the phase's deadline: the choices they saved must be removed before it.
-    for label, (status, lines, seconds) in run_jobs(jobs, ctx["deadline"] - 15, together, STEP_RE).items():
+    results, alone = run_jobs(jobs, ctx["deadline"] - 15, together, STEP_RE)
+    for label, (status, lines, seconds) in results.items():
+        if label in alone:
+            rec.note(f"{label}: ran out of the GPU's memory beside the other run; again alone (its start-up and "
+                     "figures are the second try's, its seconds both tries')")
         figures = console_figures(lines)
         rec.row(table, [label, status, figures["startup_s"], round(seconds, 1),
                         figures["recompiles_warmup"] + figures["recompiles_timed"], figures["graph_breaks"]])
@@ -2103,11 +2108,17 @@ def drop_choices_a_warm_phase_left(rec):
     rec.note(f"removed {removed} autotuning choice file(s) a warm phase cut short had left")
 
 
+OUT_OF_MEMORY = "CUDA out of memory"   # torch's OutOfMemoryError message
+
+
 def run_jobs(jobs, deadline, together, until=None):
     """Run (label, cmd, cwd, env, console) jobs with run_logged, at once or one after the other,
     each until the deadline (or its first line matching until); {label: (status, lines, seconds)}
-    (status 'error' where the job could not be run, its traceback as its lines)."""
-    results = {}
+    (status 'error' where the job could not be run, its traceback as its lines). Run at once, a job
+    that ran out of the GPU's memory beside the others runs again alone in what is left (its console
+    beside the first one's as LABEL.alone; seconds are both tries'). Returns (results, the labels
+    of the jobs run again alone)."""
+    results, alone = {}, []
 
     def one(label, cmd, cwd, env, console):
         try:
@@ -2117,13 +2128,21 @@ def run_jobs(jobs, deadline, together, until=None):
     if not together:
         for job in jobs:
             one(*job)
-        return results
+        return results, alone
     threads = [threading.Thread(target=one, args=job) for job in jobs]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    return {job[0]: results[job[0]] for job in jobs}
+    for label, cmd, cwd, env, console in jobs:
+        status, lines, seconds = results[label]
+        if status not in (0, "stopped", "timeout") and any(OUT_OF_MEMORY in line for _, line in lines):
+            alone.append(label)
+            one(label, cmd, cwd, env, console.replace(".console.txt", ".alone.console.txt", 1)
+                if ".console.txt" in console else console + ".alone")
+            status, lines, again = results[label]
+            results[label] = status, lines, seconds + again
+    return {job[0]: results[job[0]] for job in jobs}, alone
 
 
 def gpu_memory_gib():

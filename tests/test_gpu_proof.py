@@ -608,13 +608,40 @@ def test_warm_runs_together_overlap_and_one_after_the_other_do_not(tmp_path):
 
     def spans(together):
         jobs = [(label, job, str(tmp_path), dict(os.environ), str(tmp_path / f"{label}.txt")) for label in "ab"]
-        results = gpu_proof.run_jobs(jobs, time.time() + 60, together)
+        results, alone = gpu_proof.run_jobs(jobs, time.time() + 60, together)
+        assert alone == []
         assert list(results) == ["a", "b"] and all(status == 0 for status, _, _ in results.values())
         return [[float(line) for _, line in lines] for _, lines, _ in results.values()]
     (a_start, a_end), (b_start, b_end) = spans(True)
     assert b_start < a_end and a_start < b_end
     (a_start, a_end), (b_start, b_end) = spans(False)
     assert b_start >= a_end
+
+
+def test_a_job_out_of_memory_beside_the_other_runs_again_alone(tmp_path):
+    """Two warm runs at once may not fit in the GPU: the one that ran out of memory runs again after
+    the other has ended, alone, its console kept beside the first try's; a job failing otherwise
+    is not run again."""
+    tried = tmp_path / "tried"
+    oom = ("import os, sys, time; p = sys.argv[1]\n"
+           "if not os.path.exists(p):\n"
+           "    open(p, 'w').close(); print('torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 26.0 GiB');"
+           " sys.exit(1)\n"
+           "print(time.time())")
+    jobs = [("peer", [sys.executable, "-c", oom, str(tried)], str(tmp_path), dict(os.environ),
+             str(tmp_path / "peer.console.txt")),
+            ("ours", [sys.executable, "-c", "import time; time.sleep(1); print(time.time())"], str(tmp_path),
+             dict(os.environ), str(tmp_path / "ours.console.txt")),
+            ("bad", [sys.executable, "-c", "import sys; print('ValueError: no'); sys.exit(1)"], str(tmp_path),
+             dict(os.environ), str(tmp_path / "bad.console.txt"))]
+    results, alone = gpu_proof.run_jobs(jobs, time.time() + 60, together=True)
+    assert alone == ["peer"]
+    assert [results[label][0] for label in ("peer", "ours", "bad")] == [0, 0, 1]
+    (_, ours_end), = results["ours"][1]
+    (_, peer_again), = results["peer"][1]
+    assert float(peer_again) > float(ours_end)
+    assert "out of memory" in (tmp_path / "peer.console.txt").read_text()
+    assert (tmp_path / "peer.alone.console.txt").read_text().split()[1] == peer_again
 
 
 def test_a_warm_phase_cut_short_leaves_its_choices_to_the_next_phase(tmp_path, monkeypatch):
