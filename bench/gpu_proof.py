@@ -1970,6 +1970,10 @@ def phase_peer(rec, ctx):
                       "edit, exact in report.json's peer_edits)", ["line", "original", "copy"])
     for line, before, after in edits:
         rec.row(table, [line, one_line(before), one_line(after)])
+    if kind == "2026":
+        rec.note("the peer's attention is torch's varlen_attn (FlashAttention-2) where the record calls FA3: its "
+                 "ms/step is the record's computation on that kernel, not the record's own speed; ours is compared "
+                 "on the same kernel only with --attn_backend varlen (a lease's default)")
     if smoke:
         rec.skip("needs CUDA (the copy and its edits above were made and checked)")
         return

@@ -871,6 +871,17 @@ def test_a_2026_peer_without_its_kernels_file_is_refused_in_one_line(tmp_path, c
     assert len(err.strip().splitlines()) == 1 and "triton_kernels.py must sit beside it" in err
 
 
+@pytest.mark.skipif(not PEER_2026.exists(), reason="../shared/peers is absent")
+def test_the_2026_peers_report_says_its_attention_is_not_fa3(tmp_path):
+    """The record's ms/step on varlen_attn is not the record's own speed (FA3): the report says so."""
+    out = tmp_path / "out"
+    result = run("--cpu-smoke", "--out", str(out), "--phases", "peer", "--peer", str(PEER_2026), timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    peer = json.loads((out / "report.json").read_text())["phases"]["peer"]
+    assert peer["skipped"].startswith("needs CUDA")
+    assert any("varlen_attn (FlashAttention-2) where the record calls FA3" in n for n in peer["notes"])
+
+
 def fake_phase(name, status="ok", values=None):
     return dict(gpu_proof.new_phase_result(name), status=status, values=values or {})
 
