@@ -2120,8 +2120,8 @@ def run_jobs(jobs, deadline, together, until=None):
     each until the deadline (or its first line matching until); {label: (status, lines, seconds)}
     (status 'error' where the job could not be run, its traceback as its lines). Run at once, a job
     that ran out of the GPU's memory beside the others runs again alone in what is left (its console
-    beside the first one's as LABEL.alone; seconds are both tries'). Returns (results, the labels
-    of the jobs run again alone)."""
+    beside the first one's, X.console.txt as X.alone.console.txt; seconds are both tries'). Returns
+    (results, the labels of the jobs run again alone)."""
     results, alone = {}, []
 
     def one(label, cmd, cwd, env, console):
