@@ -142,5 +142,6 @@ def test_the_command_line_prints_the_shipped_aol_table():
                                   "cap_final=True)\nAOL_COEFFS = [\n")
     (assignment,) = ast.parse(done.stdout).body
     printed = ast.literal_eval(assignment.value)
-    assert [tuple(step) for step in printed] == train_gpt.AOL_COEFFS  # to the last bit
+    # to 1e-12, as above: LAPACK's solve rounds the last bits differently on another CPU
+    np.testing.assert_allclose(np.array(printed), np.array(train_gpt.AOL_COEFFS), rtol=1e-12)
     assert "singular values then in [0.2694, 1]" in done.stdout.splitlines()[-2]   # capped: it ends at 1

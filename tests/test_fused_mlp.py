@@ -114,7 +114,8 @@ def test_the_mlp_module_is_the_same_by_either_backend():
         out.square().sum().backward()
         results[backend] = (out.detach(), inputs.grad, mlp.fc_w.grad, mlp.proj_w.grad)
     for a, b in zip(results["torch"], results["triton"]):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        # fp32 sums in another order: an entry near 3e-4 differed by 2e-6 on another CPU
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_the_fused_mlp_compiles_in_one_graph():
@@ -173,7 +174,8 @@ def test_the_model_runs_the_fused_mlp_where_asked(monkeypatch):
         results[backend] = [loss.detach()] + [p.grad.clone() for p in model.parameters() if p.grad is not None]
     assert len(results["torch"]) == len(results["triton"]) > 4
     for a, b in zip(results["torch"], results["triton"]):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        # fp32 sums in another order: an entry near 3e-4 differed by 2e-6 on another CPU
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_auto_is_torch_without_cuda():
