@@ -12,7 +12,7 @@ gives them (bf16), so each kernel gets the specialization (dtypes, constexpr fla
 unit strides) of the real launch; an autotuned kernel compiles at every config of its list.
 A kernel with a float argument compiles again with it as fp64, as torch.compile passes Python
 floats (inductor's user-defined-kernel signature), for the kernels the compiled model and
-orthogonalizer launch.
+orthogonalizer launch: at its first config only, as a scalar's type changes no tile.
 
 Then (unless --no-capture) torch.compile's view of those launches: the model compiled for training
 at the record's scope, captured on the CPU (AOT autograd, no code generation) once with the torch
@@ -325,7 +325,7 @@ def compile_all(arch, capture=True, inductor=False):
     if tg.triton is None:
         raise SystemExit("triton_compile.py: needs the triton package")
     driver.set_active(TargetOnly(arch))
-    rows, expected = [], kernels_of(tg)
+    rows, expected, fp64_compiled = [], kernels_of(tg), set()
     for fn, signature, constexprs, attrs, options in capture_launches(tg, torch):
         floats = [k for k, v in signature.items() if v == "fp32"]  # scalar floats (pointers read "*fp32")
         variants = [("eager", signature)] + ([("compiled", {k: "fp64" if k in floats else v for k, v in signature.items()})]
@@ -336,6 +336,10 @@ def compile_all(arch, capture=True, inductor=False):
             dtype = next(v.lstrip("*") for v in sig.values() if v.startswith("*"))  # the first pointer's
             spec = ", ".join([dtype] + [f"{k}={v}" for k, v in flags.items() if isinstance(v, bool)
                                         or not k.startswith(("BLOCK", "stride")) and isinstance(v, int)])
+            if launch == "compiled":  # fp64 scalars change no tile: the first config only (the rest: eager's rows)
+                if (fn.fn.__name__, spec) in fp64_compiled:
+                    continue
+                fp64_compiled.add((fn.fn.__name__, spec))
             config = " ".join([f"{k}={v}" for k, v in flags.items() if k.startswith("BLOCK")]
                               + [f"warps={options.num_warps}", f"stages={options.num_stages}"])
             row = dict(kernel=fn.fn.__name__, launch=launch, specialization=spec, config=config,

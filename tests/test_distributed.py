@@ -22,11 +22,11 @@ import train_gpt
 from harness import checkpoints as ckpt, config as cfg, launch as launcher
 from conftest import TINY, tiny_argv
 
-# 12 micro-batches per step divide by 1, 2, 3 and 4; vocab 50305 rows do not divide by 2, 3 or 4,
-# so the row-sharded Adam parameters (embedding, value embedding, head) need padding. Five blocks
-# (one without attention) give 16 attention and 10 MLP matrices; in buckets of 5 (rounded up to a
-# multiple of W) the last MLP bucket is padded at W=3 and W=4, the last attention bucket at W=3
-# (at W=2 every count is even). Four steps: Adam steps at 1 and 3 (--adam_every 2), on two
+# 12 micro-batches per step divide by 1, 2 and 4 (and 3: W=3 ran here until 2026-12-02, cut for
+# CI's time; W=4 takes its uneven cases); vocab 50305 rows do not divide by 2 or 4, so the
+# row-sharded Adam parameters (embedding, value embedding, head) need padding. Five blocks (one
+# without attention) give 16 attention and 10 MLP matrices; in buckets of 5 (rounded up to a
+# multiple of W) the last MLP bucket is padded at W=4 (at W=2 every count is even). Four steps: Adam steps at 1 and 3 (--adam_every 2), on two
 # steps' gradients; the embedding is the head's weights until step 1 (embed_split_frac 0.25 of the
 # 3 scheduled steps, on an Adam step) and a copy trained apart at step 3.
 # adam_eps=1.28e-4 (the speedrun uses 1e-10): Adam's update g/(|g|+eps) turns gradients of order
@@ -184,7 +184,7 @@ def equivalence_runs(tmp_path_factory):
     write_shard(tmp_path / "d_train_000001.bin", synthetic_documents(rng, 40_000))  # 72 packed chunks and more
     argv = tiny_argv(train_files=str(tmp_path / "d_train_*.bin"), val_files=str(tmp_path / "d_val_*.bin"),
                      **EQUIVALENCE)
-    runs = {ws: run_world(ws, argv, tmp_path) for ws in (1, 2, 3, 4)}
+    runs = {ws: run_world(ws, argv, tmp_path) for ws in (1, 2, 4)}
     runs["2_no_overlap"] = run_world(2, argv, tmp_path, overlap=False)
     runs["2_compiled_adam"] = run_world(2, argv, tmp_path, compiled_adam=True)
     runs["argv"] = argv
@@ -192,7 +192,7 @@ def equivalence_runs(tmp_path_factory):
 
 
 # Tolerance. The world sizes compute the same sums in different orders (a step's gradient is the
-# average of 12 micro-batches taken as 12x1, 6x2, 4x3 or 3x4), so they differ by fp32 rounding,
+# average of 12 micro-batches taken as 12x1, 6x2 or 3x4), so they differ by fp32 rounding,
 # which training then amplifies in two places: where sums cancel (the embedding rows of frequent
 # tokens add hundreds of contributions; Adam passes their relative error through at up to its
 # learning rate per step), and in Muon, whose orthogonalization lifts the smallest singular
@@ -227,7 +227,7 @@ def movement_bounds(argv):
     return bounds
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4, "2_no_overlap"])
+@pytest.mark.parametrize("world_size", [2, 4, "2_no_overlap"])
 def test_world_sizes_train_the_same_model(equivalence_runs, world_size):
     single, multi = equivalence_runs[1], equivalence_runs[world_size]
     assert len(single["losses"]) == len(multi["losses"]) == EQUIVALENCE["num_iterations"]
@@ -242,16 +242,16 @@ def test_world_sizes_train_the_same_model(equivalence_runs, world_size):
                                    msg=lambda m: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("world_size", [2, 4])
 def test_world_sizes_validate_to_the_same_loss(equivalence_runs, world_size):
     """Rank r validates windows r, r + W, ..., so ranks can hold different counts (here 3 windows:
     2 and 1 at W=2, none on the last rank at W=4): the loss is the sum over every rank's windows
     over their count, world size 1's mean. An average of each rank's own mean would weigh a window
     by how few its rank holds (and be nan where a rank holds none); the train-loss comparisons
-    cannot see it, and windows that split evenly (W=3 here) hide it."""
+    cannot see it, and windows that split evenly (W=3 here) would hide it."""
     windows = EQUIVALENCE["val_tokens"] // EQUIVALENCE["val_seq_len"]
     held = [len(range(r, windows, world_size)) for r in range(world_size)]
-    assert held == {2: [2, 1], 3: [1, 1, 1], 4: [1, 1, 1, 0]}[world_size]
+    assert held == {2: [2, 1], 4: [1, 1, 1, 0]}[world_size]
     single, multi = equivalence_runs[1]["val_losses"], equivalence_runs[world_size]["val_losses"]
     assert [step for step, _ in multi] == [step for step, _ in single] == [0, EQUIVALENCE["num_iterations"]]
     assert [loss for _, loss in multi] == pytest.approx([loss for _, loss in single], rel=LOSS_RTOL)
@@ -279,14 +279,14 @@ def test_compiled_adam_at_world_size_2(equivalence_runs):
                                    msg=lambda m: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("world_size", [2, 4])
 def test_ranks_hold_identical_parameters_after_every_step(equivalence_runs, world_size):
     spread = equivalence_runs[world_size]["rank_spread"]
     assert len(spread) == EQUIVALENCE["num_iterations"]
     assert max(spread) == 0.0  # all-gathered values are copies: bitwise identical
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("world_size", [2, 4])
 def test_traffic_equals_the_ring_lower_bound(equivalence_runs, world_size):
     """Collectives counts what each call carries (payload) and the bytes a ring algorithm sends for
     it ((W-1)/W of the payload per reduce-scatter or all-gather, twice per all-reduce). So this
@@ -305,7 +305,7 @@ def test_traffic_equals_the_ring_lower_bound(equivalence_runs, world_size):
     padding = 2 * (W - 1) * run["padding_bytes"] // W
     assert per_step[3] == pytest.approx(bound + padding, abs=64)  # every parameter, once
     assert run["padding_bytes"] > 0  # the uneven shapes were exercised
-    assert (run["muon_padding_matrices"] > 0) == (W in (3, 4))
+    assert (run["muon_padding_matrices"] > 0) == (W == 4)
     assert padding < 0.05 * bound
 
 
@@ -320,7 +320,7 @@ def test_reduce_scatters_start_during_backward(equivalence_runs):
 
 def test_optimizer_state_is_sharded(equivalence_runs):
     single = equivalence_runs[1]["state_bytes"]
-    for W in (2, 3, 4):
+    for W in (2, 4):
         per_rank = equivalence_runs[W]["state_bytes"]
         assert per_rank < 1.1 * single / W + 64 * 1024, (W, per_rank, single)
 
