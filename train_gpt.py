@@ -361,7 +361,7 @@ class Collectives:
 
 
 # -----------------------------------------------------------------------------------------------
-# 4. Orthogonalization (Turbo-Muon)
+# 4. Orthogonalization (Polar Express; Turbo-Muon's AOL an option)
 #
 # Each matrix of a stack becomes an approximation of its polar factor U V^T (G = U S V^T) by odd
 # quintic steps X <- a X + (b A + c A^2) X, A = X X^T, on the wide orientation (A is m x m, m <= n).
@@ -711,6 +711,44 @@ class ParamSpec:
     betas: tuple = (0.8, 0.95)  # Adam's
     wd_mult: float = 0.0  # Adam's weight decay: adam_weight_decay x this
 
+# The 2026-01-19 record's Adam, by kind of parameter: (beta1, beta2, lr multiplier, weight decay multiplier)
+ADAM_2026 = {"head": (0.5, 0.95, 1.0, 150.0), "embed": (0.5, 0.95, 1.0, 150.0),
+             "value_embed": (0.75, 0.95, 75.0, 5.0),   # the value embeddings and the bigram embedding
+             "gate": (0.9, 0.99, 1.0, 1.0),            # attention's and the value embeddings' gates
+             "smear_gate": (0.9, 0.99, 0.01, 0.0), "skip_gate": (0.9, 0.99, 0.05, 0.0),
+             "x0_lambda": (0.65, 0.95, 5.0, 0.0), "scalar": (0.9, 0.99, 5.0, 0.0)}
+
+def adam_kind_2026(name):
+    if name in ("lm_head_w", "smear_gate", "skip_gate"):
+        return {"lm_head_w": "head"}.get(name, name)
+    if name.startswith(("embed.", "value_embeds.", "bigram_embed.")):
+        return "embed" if name.startswith("embed.") else "value_embed"
+    return "gate" if name.endswith("gate_w") else "x0_lambda" if name.endswith("x0_lambda") else "scalar"
+
+def param_specs(model, args):
+    """Each parameter's optimizer and lr multiplier: Muon for block matrices, Adam for the rest."""
+    specs = []
+    L = len(model.blocks)
+    def forward_position(item):  # where the forward pass first uses a parameter
+        name = item[0]
+        if name.startswith("blocks."):
+            return int(name.split(".")[1])
+        return {"lm_head_w": L, "skip_weights": L - L // 2}.get(name, -1)  # skips join the decoder blocks
+    # forward order: the optimizer launches in reverse, from the head's gradient, backward's first
+    lr_mults = dict(embed=args.embed_lr_mult, head=args.head_lr_mult, matrix=args.matrix_lr_mult, scalar=args.scalar_lr_mult)
+    for name, p in sorted(model.named_parameters(), key=forward_position):
+        group = ("embed" if name.startswith(("embed.", "value_embeds.", "bigram_embed.")) else "head" if name == "lm_head_w"
+                 else "matrix" if p.ndim >= 2 else "scalar")
+        if args.adam_table == "2026" and (group != "matrix" or name.endswith("gate_w")):  # gates: Adam's too
+            beta1, beta2, lr_mult, wd_mult = ADAM_2026[adam_kind_2026(name)]
+            specs.append(ParamSpec(name, p, "adam", adam_kind_2026(name), lr_mult, (beta1, beta2), wd_mult))
+            continue
+        muon = group == "matrix" and args.matrix_optimizer != "adam"
+        muon_lr_mult = args.mlp_proj_lr_mult if name.endswith("mlp.proj_w") else 1.0
+        specs.append(ParamSpec(name, p, "muon" if muon else "adam", group, muon_lr_mult if muon else lr_mults[group],
+                               (args.adam_beta1, args.adam_beta2)))
+    return specs
+
 @dataclass
 class MatrixSlot:
     """One matrix inside a parameter, as Muon sees it: wide orientation (rows <= cols)."""
@@ -1013,7 +1051,8 @@ class ShardedMuonAdam:
         update = self.orthogonalize(update.to(self.hw.compute_dtype), args.ns_method, self.hw.ns_backend,
                                     self.ns_coeffs)
         # --bf16_weights, the record's precision: its Polar Express output stays bf16 and NorMuon scales it
-        # in bf16 (P 712-719, 775); the fp32 master takes it upcast. On CPU the update is fp32 either way.
+        # in bf16 (its train_gpt.py, lines 712-719 and 775); the fp32 master takes it upcast. On CPU the
+        # update is fp32 either way.
         update = update if args.bf16_weights else update.float()
         if group["second_moment"] is not None:
             update = normuon_normalize(update, group["second_moment"], args.normuon_beta2,
@@ -1413,9 +1452,10 @@ class CausalSelfAttention(nn.Module):
         return F.linear(y.reshape(B, T, -1), w_o)
 
 # --- the MLP: relu(x fc)^2 proj^T, its first GEMM with relu^2 fused (Triton), and its torch twin ----
-# As the 2026-01-19 record's kernel (K 259-391): one pass writes pre = x fc and post = relu(pre)^2,
-# the fp32 accumulator rounded to x's dtype first and relu^2 taken in that dtype (the twin's
-# roundings); backward's dpre = 2 (g proj) relu(pre) is the same GEMM with the other epilogue.
+# As the 2026-01-19 record's kernel (its triton_kernels.py, lines 259-391): one pass writes
+# pre = x fc and post = relu(pre)^2, the fp32 accumulator rounded to x's dtype first and relu^2
+# taken in that dtype (the twin's roundings); backward's dpre = 2 (g proj) relu(pre) is the same
+# GEMM with the other epilogue.
 # The other GEMMs are torch's. Any strides; fp32 accumulation, operands in the input dtype.
 
 def relu_square_mlp_torch(x, fc, proj):  # fc, proj: (dim, hidden)
@@ -1599,7 +1639,7 @@ def register_fp8_ops():  # once, on first use: a second copy of this module (__m
     fp8_mm.register_autograd(backward, setup_context=setup_context)
 
 def fp8_matmul(x, w, x_scale, w_scale, grad_scale):
-    """x @ w.T in bf16 through float8 operands; x (T, in) bf16, w (out, in) fp32; differentiable."""
+    """x @ w.T in bf16 through float8 operands; x (T, in) bf16, w (out, in) bf16 or fp32; differentiable."""
     if not torch.compiler.is_compiling():  # GPT() registers them too; not traceable
         register_fp8_ops()
     return torch.ops.train_gpt.fp8_mm(x, w, x_scale, w_scale, grad_scale)[0]
@@ -1825,44 +1865,6 @@ class CappedMultiTokenLoss(torch.autograd.Function):
                                                     logits.stride(0), *logits.shape, weights.numel(), *ctx.cap,
                                                     BLOCK=1024, num_warps=8)
         return grad, None, None, None, None, None
-
-# The 2026-01-19 record's Adam, by kind of parameter: (beta1, beta2, lr multiplier, weight decay multiplier)
-ADAM_2026 = {"head": (0.5, 0.95, 1.0, 150.0), "embed": (0.5, 0.95, 1.0, 150.0),
-             "value_embed": (0.75, 0.95, 75.0, 5.0),   # the value embeddings and the bigram embedding
-             "gate": (0.9, 0.99, 1.0, 1.0),            # attention's and the value embeddings' gates
-             "smear_gate": (0.9, 0.99, 0.01, 0.0), "skip_gate": (0.9, 0.99, 0.05, 0.0),
-             "x0_lambda": (0.65, 0.95, 5.0, 0.0), "scalar": (0.9, 0.99, 5.0, 0.0)}
-
-def adam_kind_2026(name):
-    if name in ("lm_head_w", "smear_gate", "skip_gate"):
-        return {"lm_head_w": "head"}.get(name, name)
-    if name.startswith(("embed.", "value_embeds.", "bigram_embed.")):
-        return "embed" if name.startswith("embed.") else "value_embed"
-    return "gate" if name.endswith("gate_w") else "x0_lambda" if name.endswith("x0_lambda") else "scalar"
-
-def param_specs(model, args):
-    """Each parameter's optimizer and lr multiplier: Muon for block matrices, Adam for the rest."""
-    specs = []
-    L = len(model.blocks)
-    def forward_position(item):  # where the forward pass first uses a parameter
-        name = item[0]
-        if name.startswith("blocks."):
-            return int(name.split(".")[1])
-        return {"lm_head_w": L, "skip_weights": L - L // 2}.get(name, -1)  # skips join the decoder blocks
-    # forward order: the optimizer launches in reverse, from the head's gradient, backward's first
-    lr_mults = dict(embed=args.embed_lr_mult, head=args.head_lr_mult, matrix=args.matrix_lr_mult, scalar=args.scalar_lr_mult)
-    for name, p in sorted(model.named_parameters(), key=forward_position):
-        group = ("embed" if name.startswith(("embed.", "value_embeds.", "bigram_embed.")) else "head" if name == "lm_head_w"
-                 else "matrix" if p.ndim >= 2 else "scalar")
-        if args.adam_table == "2026" and (group != "matrix" or name.endswith("gate_w")):  # gates: Adam's too
-            beta1, beta2, lr_mult, wd_mult = ADAM_2026[adam_kind_2026(name)]
-            specs.append(ParamSpec(name, p, "adam", adam_kind_2026(name), lr_mult, (beta1, beta2), wd_mult))
-            continue
-        muon = group == "matrix" and args.matrix_optimizer != "adam"
-        muon_lr_mult = args.mlp_proj_lr_mult if name.endswith("mlp.proj_w") else 1.0
-        specs.append(ParamSpec(name, p, "muon" if muon else "adam", group, muon_lr_mult if muon else lr_mults[group],
-                               (args.adam_beta1, args.adam_beta2)))
-    return specs
 
 
 # -----------------------------------------------------------------------------------------------
@@ -2365,7 +2367,8 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
         without_bos = [path for path in train_files if not (read_shard_tokens(path) == BOS_TOKEN).any()]
         train_files = [path for path in train_files if path not in without_bos]  # no window starts there
         config = harness("config")  # warns where the shards cannot last the run
-        warnings = config.data_shortfall(train_files, args, without_bos) if config else []
+        warnings = config.data_shortfall(train_files, args, without_bos) + config.unapplied_adam_steps(args) \
+            if config else []
         if not train_files:  # (the harness has said more)
             raise DataError(f"{args.train_files}: no training shard holds a BOS token ({BOS_TOKEN}): nothing would train")
         model = GPT(args, hw).to(hw.device)

@@ -253,6 +253,14 @@ def check_log_dir(args):
                 os.rmdir(path)
 
 
+def unapplied_adam_steps(args):
+    """A warning (a line) where the run ends between Adam steps: its last num_iterations % adam_every
+    steps' Adam gradients are summed and never applied (the record's 1600 steps, every other, are even)."""
+    left = args.num_iterations % args.adam_every
+    return [f"warning: --num_iterations={args.num_iterations} is not a multiple of adam_every={args.adam_every}: "
+            f"the last {left} step(s)' Adam gradients (embeddings, head, scalars) are never applied"] if left else []
+
+
 def data_shortfall(files, args, without_bos=()):
     """Warnings (lines) if some training shards hold no BOS token (without_bos; files are the
     others) or too few tokens for a step, or the shards cannot last num_iterations steps. Windows

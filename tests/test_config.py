@@ -302,3 +302,15 @@ def test_ns_coeffs_parse():
     assert parse(["--ns_coeffs", " 3.4445,-4.775,2.0315 ; 1,0,0; "]).ns_coeffs.startswith(" 3.4445")
     assert train_gpt.parse_ns_coeffs("3.4445,-4.775,2.0315 ; 1,0,0;") == [(3.4445, -4.775, 2.0315), (1.0, 0.0, 0.0)]
     assert train_gpt.parse_ns_coeffs("") is None
+
+
+@pytest.mark.parametrize("steps, every, left", [(1600, 2, 0), (1601, 2, 1), (7, 3, 1), (8, 3, 2), (5, 1, 0)])
+def test_a_run_ending_between_adam_steps_is_warned_of(steps, every, left):
+    """Adam steps on steps every-1, 2 every-1, ...: the last steps % every steps' gradients are
+    summed and never applied (the record's 1600 steps, every other, end on one)."""
+    args = train_gpt.Hyperparameters(num_iterations=steps, adam_every=every)
+    applied = [s for s in range(steps) if train_gpt.adam_steps_at(s, args)]
+    assert steps - 1 - (applied[-1] if applied else -1) == left
+    warned = cfg.unapplied_adam_steps(args)
+    assert warned == ([f"warning: --num_iterations={steps} is not a multiple of adam_every={every}: the last {left} "
+                       "step(s)' Adam gradients (embeddings, head, scalars) are never applied"] if left else [])

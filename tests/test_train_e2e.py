@@ -392,12 +392,15 @@ def test_a_training_shard_without_a_bos_token_is_named_and_passed_over(tmp_path,
     first = sorted(Path(train_glob).parent.glob(Path(train_glob).name))[0]
     without_bos(first)
     log_dir = tmp_path / "records"
-    proc = run_script(tmp_path, *tiny_argv(train_files=train_glob, val_files=val_glob, log_dir=log_dir))
+    proc = run_script(tmp_path, *tiny_argv(train_files=train_glob, val_files=val_glob, log_dir=log_dir, num_iterations=5))
     assert proc.returncode == 0, proc.stderr[-2000:]
     text = next(log_dir.glob("*/*.txt")).read_text()
     assert f"warning: 1 training shard(s) hold no BOS token (50256) and are passed over, the first {first}" in text
     assert str(first) not in next(line for line in text.splitlines() if line.startswith("train_files="))
-    assert not re.search(r"^warning: the ", text, re.M)  # no shortfall: the other shard holds the run's 4 steps
+    assert not re.search(r"^warning: the ", text, re.M)  # no shortfall: the other shard holds the run's 5 steps
+    # 5 steps, Adam on every 2nd (1 and 3): step 4's Adam gradients are summed and never applied
+    assert "warning: --num_iterations=5 is not a multiple of adam_every=2: the last 1 step(s)' Adam gradients " \
+           "(embeddings, head, scalars) are never applied" in text
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or shutil.which("taskset") is None,
