@@ -257,6 +257,9 @@ def unapplied_adam_steps(args):
     """A warning (a line) where the run ends between Adam steps: its last num_iterations % adam_every
     steps' Adam gradients are summed and never applied (the record's 1600 steps, every other, are even)."""
     left = args.num_iterations % args.adam_every
+    if args.num_iterations < args.adam_every:
+        return [f"warning: --num_iterations={args.num_iterations} is below adam_every={args.adam_every}: Adam never "
+                "steps (the embeddings, head and scalars keep their initial values)"]
     return [f"warning: --num_iterations={args.num_iterations} is not a multiple of adam_every={args.adam_every}: "
             f"the last {left} step(s)' Adam gradients (embeddings, head, scalars) are never applied"] if left else []
 

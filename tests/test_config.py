@@ -304,7 +304,7 @@ def test_ns_coeffs_parse():
     assert train_gpt.parse_ns_coeffs("") is None
 
 
-@pytest.mark.parametrize("steps, every, left", [(1600, 2, 0), (1601, 2, 1), (7, 3, 1), (8, 3, 2), (5, 1, 0)])
+@pytest.mark.parametrize("steps, every, left", [(1600, 2, 0), (1601, 2, 1), (7, 3, 1), (8, 3, 2), (5, 1, 0), (1, 2, 1)])
 def test_a_run_ending_between_adam_steps_is_warned_of(steps, every, left):
     """Adam steps on steps every-1, 2 every-1, ...: the last steps % every steps' gradients are
     summed and never applied (the record's 1600 steps, every other, end on one)."""
@@ -312,5 +312,9 @@ def test_a_run_ending_between_adam_steps_is_warned_of(steps, every, left):
     applied = [s for s in range(steps) if train_gpt.adam_steps_at(s, args)]
     assert steps - 1 - (applied[-1] if applied else -1) == left
     warned = cfg.unapplied_adam_steps(args)
+    if steps < every:  # no Adam step at all
+        assert warned == [f"warning: --num_iterations={steps} is below adam_every={every}: Adam never steps (the "
+                          "embeddings, head and scalars keep their initial values)"]
+        return
     assert warned == ([f"warning: --num_iterations={steps} is not a multiple of adam_every={every}: the last {left} "
                        "step(s)' Adam gradients (embeddings, head, scalars) are never applied"] if left else [])
