@@ -375,22 +375,30 @@ def trainer_switches():
     return set(re.findall(r"^    (\w+): bool = ", fields, re.M))
 
 
-def trainer_config_errors(flag_sets, cpu_smoke):
-    """What train_gpt.py says of a train run's configuration with each set of flags (None: nothing),
-    asked in one child process (torch is slow to load here), so that a bad value fails now, not
-    after the main run has spent minutes of the GPU."""
+def trainer_config_errors_here(flag_sets, cpu_smoke):
+    """What train_gpt.py's parse_config says of a train run's configuration with each set of flags
+    (None: nothing), in this process: it loads torch."""
+    import train_gpt
     base = SMOKE_TRAINER_ARGV if cpu_smoke else ["--preset", "speedrun"]
-    code = ("import json, sys, train_gpt\n"
-            "said = []\n"
-            "for flags in json.loads(sys.argv[1]):\n"
-            "    try:\n"
-            f"        train_gpt.harness('config').parse_config(flags, {{}}, world_size=1, cuda_available={not cpu_smoke})\n"
-            "        said.append(None)\n"
-            "    except train_gpt.ConfigError as e:\n"
-            "        said.append(str(e))\n"
-            "print(json.dumps(said))\n")
+    said = []
+    for flags in flag_sets:
+        try:
+            train_gpt.harness("config").parse_config(base + list(flags), {}, world_size=1, cuda_available=not cpu_smoke)
+            said.append(None)
+        except train_gpt.ConfigError as e:
+            said.append(str(e))
+    return said
+
+
+def trainer_config_errors(flag_sets, cpu_smoke):
+    """trainer_config_errors_here, asked in one child process (torch is slow to load here), so that
+    a bad value fails now, not after the main run has spent minutes of the GPU."""
+    code = ("import json, sys\n"
+            "from bench.gpu_proof import trainer_config_errors_here\n"
+            "print(json.dumps(trainer_config_errors_here(json.loads(sys.argv[1]), sys.argv[2] == 'smoke')))\n")
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1")
-    done = subprocess.run([sys.executable, "-c", code, json.dumps([base + list(f) for f in flag_sets])], cwd=REPO_ROOT,
+    done = subprocess.run([sys.executable, "-c", code, json.dumps([list(f) for f in flag_sets]),
+                           "smoke" if cpu_smoke else "speedrun"], cwd=REPO_ROOT,
                           env=env, capture_output=True, text=True, timeout=120)
     if done.returncode != 0:
         return [f"train_gpt.py did not load: {(done.stderr.strip().splitlines() or ['?'])[-1]}"] * len(flag_sets)

@@ -1,6 +1,6 @@
-"""DDP-free sharded training on CPU with gloo: world sizes 1, 2, 4 and 8 train the same model, ranks stay
-identical, uneven shapes are padded, traffic equals the ring lower bound, world size 1 issues no
-collective, and a bad launch or a data file one rank cannot read fails fast with a clear message
+"""DDP-free sharded training on CPU with gloo: world sizes 1, 2, 4 and 8 train the same model,
+ranks stay identical, uneven shapes are padded, traffic equals the ring lower bound, world size 1
+issues no collective, and a bad launch or a data file one rank cannot read fails fast with a clear message
 instead of hanging."""
 
 import contextlib
@@ -27,8 +27,9 @@ from conftest import TINY, tiny_argv
 # row-sharded Adam parameters (embedding, value embedding, head) need padding. Five blocks (one
 # without attention) give 16 attention and 10 MLP matrices; in buckets of 5 (rounded up to a
 # multiple of W) the last MLP bucket is padded at W=4 (at W=2 every count is even). Four steps:
-# Adam steps at 1 and 3 (--adam_every 2), on two steps' gradients; the embedding is the head's weights until step 1 (embed_split_frac 0.25 of the
-# 3 scheduled steps, on an Adam step) and a copy trained apart at step 3.
+# Adam steps at 1 and 3 (--adam_every 2), on two steps' gradients; the embedding is the head's
+# weights until step 1 (embed_split_frac 0.25 of the 3 scheduled steps, on an Adam step) and a
+# copy trained apart at step 3.
 # adam_eps=1.28e-4 (the speedrun uses 1e-10): Adam's update g/(|g|+eps) turns gradients of order
 # eps into steps of order lr, so with eps=1e-10 the embedding entries whose gradient is within
 # rounding noise of zero take opposite +-lr steps under different summation orders (the value
@@ -201,8 +202,9 @@ def equivalence_runs(tmp_path_factory):
 # after 6 steps at W=2-4 (these runs' earlier, longer form): up to 3.7e-6 on the tied embedding and head (lr 0.008) and 1.2e-6 on an
 # attention weight (lr 0.023), i.e. up to 2.1e-4 of the distance a parameter can move (its lr
 # summed over its steps); with adam_eps 1e-10, 1.1e-2 on the value embedding (8e-3 of its distance).
-# In fp64 the same comparison (W=2 vs W=3, these runs' earlier form, on the 2025 architecture) differed by <4e-6 everywhere:
-# it is rounding. The test allows 5e-3 of that distance. A bug moves parameters much further: one
+# In fp64 the same comparison (W=2 vs W=3, these runs' earlier form, on the 2025 architecture)
+# differed by <4e-6 everywhere: it is rounding. The test allows 5e-3 of that distance. A bug
+# moves parameters much further: one
 # wrong embedding row update is ~lr = 0.008 (tolerance 9e-5), one wrong Muon step
 # ~lr/sqrt(dim) = 0.004 per entry (tolerance 6e-4), and a lost micro-batch or missed average also
 # changes losses by >1e-3.

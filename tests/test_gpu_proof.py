@@ -31,23 +31,10 @@ pytestmark = pytest.mark.slow  # launches fresh processes: the full suite only (
 @pytest.fixture(autouse=True)
 def config_checks_asked_here(monkeypatch):
     """parse_args asks train_gpt.py what it says of the runs' flags in a child process, which loads
-    torch (2 s a call, on two dozen tests); a test calling parse_args in this process gets the same
-    parse_config's answer from this one. Every proof launched as a process (the smoke run with
-    --cpu-smoke; a bad value without it, below) still asks its child."""
-    import train_gpt
-
-    def here(flag_sets, cpu_smoke):
-        base = gpu_proof.SMOKE_TRAINER_ARGV if cpu_smoke else ["--preset", "speedrun"]
-        said = []
-        for flags in flag_sets:
-            try:
-                train_gpt.harness("config").parse_config(base + list(flags), {}, world_size=1,
-                                                         cuda_available=not cpu_smoke)
-                said.append(None)
-            except train_gpt.ConfigError as e:
-                said.append(str(e))
-        return said
-    monkeypatch.setattr(gpu_proof, "trainer_config_errors", here)
+    torch (2 s a call, on two dozen tests); a test calling parse_args in this process asks the
+    child's own function here. Every proof launched as a process (the smoke run with --cpu-smoke;
+    a bad value without it, below) still asks its child."""
+    monkeypatch.setattr(gpu_proof, "trainer_config_errors", gpu_proof.trainer_config_errors_here)
 
 
 def run(*args, timeout=60, env=None):
