@@ -51,7 +51,9 @@ BOS_TOKEN = 50256  # GPT-2's <|endoftext|>; every document in a shard starts wit
 # Defaults are the 8xH100 speedrun: the public record of 2026-01-19 ("Bigram Hash Embedding", 1600
 # steps, val loss 3.2776 over 6 runs in 98.4 s), its model, data order, schedules and optimizer
 # formulas. Our own ideas are flags that are off; so are the older records' ways, where an option
-# still has them (marked 2025: the record of 2025-08-23). Each field's comment is its --help text.
+# still has them (marked 2025: the record of 2025-08-23). Where the record's way needs what is not
+# shipped here (FlashAttention-3 from the hub, Hopper's TMA kernel), ours is the default and a flag
+# gives the nearest (README: departures). Each field's comment is its --help text.
 
 @dataclass
 class Hyperparameters:
@@ -91,14 +93,15 @@ class Hyperparameters:
     yarn: bool = True                   # rotary on adjacent dim pairs, bf16 tables; a long-window change stretches it
                                         # and raises attn_scale (false: pairs (i, i + head_dim/2), fp32, 2025)
     logit_softcap: float = 15.0         # the cap's width is half this: height*sigmoid((z + shift)/7.5)
-    logit_cap_height: float = 23.0      # ... its height (0: 2 x logit_softcap and no shift, 30*sigmoid(z/7.5), 2025)
+    logit_cap_height: float = 23.0      # ... its height (0: 2 x logit_softcap; with logit_cap_shift 0, 2025's 30*sigmoid(z/7.5))
     logit_cap_shift: float = 5.0        # ... its shift
     mtp: bool = True                    # also predict 2 and 3 tokens ahead, weights [1, .5, .25 -> 0] by thirds
     attn_block_size: int = 128          # the unit of attention windows, in tokens (FlexAttention's block)
     window_pattern: str = "SSSLSSSSSSL"  # per block: L long window, S short window (= long/2)
     window_schedule: str = "3,7,11"     # long window in blocks per equal part of the scheduled steps ("": grown)
-    window_growth_tokens: int = 1728    # without window_schedule: long window = this x progress, in whole blocks (2025)
-    window_final_blocks: int = 13       # long window over the extension steps (0: window_schedule's last)
+    window_growth_tokens: int = 1728    # without window_schedule: long window = this x step/num_iterations, in whole
+                                        # blocks, extension steps included (2025)
+    window_final_blocks: int = 13       # with window_schedule, the long window over the extension steps (0: its last)
     window_validate_final_blocks: int = 20  # long window of the last validation (0: the last step's); short: the step's
     value_gates: bool = True            # v + 2 sigmoid(W x[:12]) x value embedding per head, scales on W_qkv and W_o
     key_offset: bool = True             # long-window layers: keys' stationary dims come from the token before (--yarn)
@@ -121,8 +124,8 @@ class Hyperparameters:
     final_lr_frac: float = 0.1          # lr multiplier reached at the last scheduled step
     adam_lr: float = 0.008              # Adam learning rate, times the kind's multiplier
     adam_table: str = "2026"            # 2026: betas and multipliers per kind (ADAM_2026), fp32 moments; 2025: the next 5
-    adam_beta1: float = 0.8             # (2025 table) Adam first-moment decay
-    adam_beta2: float = 0.95            # (2025 table) Adam second-moment decay
+    adam_beta1: float = 0.8             # (2025 table; 2026: the block matrices' on Adam) Adam first-moment decay
+    adam_beta2: float = 0.95            # (2025 table; 2026: the block matrices' on Adam) Adam second-moment decay
     embed_lr_mult: float = 75.0         # (2025 table) embeddings train at adam_lr * this
     head_lr_mult: float = 1.0           # (2025 table) lm_head trains at adam_lr * this
     scalar_lr_mult: float = 5.0         # (2025 table) scalar parameters train at adam_lr * this
@@ -136,7 +139,7 @@ class Hyperparameters:
     muon_momentum_start: float = 0.85   # Muon momentum at step 0 ...
     muon_momentum_end: float = 0.95     # ... rising linearly to this
     muon_momentum_warmup_steps: int = 300  # ... over this many steps
-    muon_momentum_cooldown_steps: int = 50  # ... and back down to muon_momentum_start over the last N steps
+    muon_momentum_cooldown_steps: int = 50  # ... and back down to muon_momentum_start over the last N (0: none, 2025's warmup form)
     muon_bucket_matrices: int = 8       # matrices per gradient reduce-scatter (rounded up to a multiple of world size)
     matrix_optimizer: str = "muon"      # muon, or adam: block matrices on Adam too (the baseline for Muon)
     matrix_lr_mult: float = 1.0         # with matrix_optimizer=adam the block matrices train at adam_lr * this
@@ -887,8 +890,8 @@ class ShardedMuonAdam:
                 start, local = start + b.padded, local + b.per_rank
             group["owned"] = self._owned_slots(group)
             group["real"] = [i for i, slot in enumerate(group["owned"]) if slot is not None]
-            # One number where the rank's matrices share it (the speedrun's do), else one per matrix
-            # (a fork's tall and wide matrices of one shape), made once: no copy each step.
+            # One number where the rank's matrices share it (attention's), else one per matrix (the
+            # MLP's fc and proj, proj at mlp_proj_lr_mult), made once: no copy each step.
             scales = {slot.lr_scale for slot in group["owned"] if slot} or {0.0}  # or only padding
             group["lr_scale"] = scales.pop() if len(scales) == 1 else torch.tensor(
                 [slot.lr_scale if slot else 0.0 for slot in group["owned"]], device=device)[:, None, None]
@@ -1158,7 +1161,7 @@ def muon_apply(params, update, lr, decay, cautious):
         params = params - decay * params * mask
     if isinstance(lr, torch.Tensor):
         return params - lr * update
-    return torch.add(params, update, alpha=-lr)  # the record's p.add_(v, alpha=-lr): one rounding (an FMA)
+    return torch.add(params, update, alpha=-lr)  # the 2025 record's p.add_(v, alpha=-lr): one rounding (an FMA)
 
 def normuon_normalize(update, second_moment, beta2, dim, eps=1e-10):
     """NorMuon as the 2026 record computes it: each row (dim -1) or column (dim -2) over the root of
@@ -1409,7 +1412,7 @@ def attend(q, k, v, mask, scale):  # q, k, v: (B, T, H, D) -> (B, T, H, D); mask
 
 
 # --- attention, MLP and block --------------------------------------------------------------------
-ATTN_GATE_DIMS = 12  # the attention gate reads the first 12 dimensions of the block's input
+ATTN_GATE_DIMS = 12  # every gate (attention's, value embeddings', smear's, skip's) reads its input's first 12 dims
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, args, rotary, has_value_embed, key_offset=False, paired=False):
@@ -1419,7 +1422,7 @@ class CausalSelfAttention(nn.Module):
         self.truncate = args.bf16_weights
         bound = 3 ** 0.5 * (1.0 if args.init == "2026" else 0.5) * dim ** -0.5  # uniform with std 0.5/sqrt(dim) (2026: 1)
         qkvo = torch.empty(4, self.num_heads * self.head_dim, dim).uniform_(-bound, bound)
-        qkvo[3].zero_()  # output projection starts at zero: each block starts as the identity
+        qkvo[3].zero_()  # output projection starts at zero: attention adds nothing at first
         self.qkvo_w = nn.Parameter(qkvo)
         self.gate_w = nn.Parameter(torch.zeros(self.num_heads, ATTN_GATE_DIMS))  # sigmoid(0) = 0.5 on every head
         if self.value_gates:  # W_qkv and W_o scaled; v + 2 sigmoid(gate) x value_embed, 1 x at the start
@@ -1679,7 +1682,7 @@ class GPT(nn.Module):
             self.smear_gate, self.smear_lambda = nn.Parameter(torch.zeros(ATTN_GATE_DIMS)), nn.Parameter(torch.tensor(0.0))
         if args.backout_layer >= 0:
             self.backout_lambda = nn.Parameter(torch.tensor(0.5))
-        self.lm_head_w = nn.Parameter(torch.zeros(V, D))  # zero: the initial loss is exactly ln(V)
+        self.lm_head_w = nn.Parameter(torch.zeros(V, D))  # 2025: zero, the initial loss exactly ln(V)
         with torch.no_grad():
             for embedding in [self.bigram_embed] + (list(self.value_embeds) if args.init == "2026" else []):
                 if embedding is not None:
@@ -2155,8 +2158,9 @@ def resolve_data_files(args):
 # Set-up, untimed warmup steps on random tokens that compile every graph (the record's: steps 0-2 and
 # those around each window change, each with a validation pass), a reset to the initial
 # state, then the timed steps (the clock stops for validation). The log keeps the public speedrun's
-# line formats. A non-finite loss, a rising val loss, a stop signal or a failed log write stops the
-# run at the next check (every check_every steps and before validations, by all ranks together).
+# line formats. A non-finite loss, a val loss a nat above step 0's, a stop signal or a failed log
+# write stops the run at the next check (every check_every steps and before validations, by all
+# ranks together).
 
 # --- the schedules, by step ----------------------------------------------------------------------
 # Progress runs over the scheduled steps: num_iterations less the extension_steps that follow them.
@@ -2207,11 +2211,12 @@ def embed_tied_at(step, args):  # the split step still trains tied; its state is
 
 def train_seq_len_at(step, args):  # the batch size schedule, per micro-batch
     lengths = _numbers(args.train_seq_len_schedule, int) or [args.train_seq_len]
-    return _staged(step, args.num_iterations - args.extension_steps, lengths, lengths[-1])
+    return _staged(step, args.num_iterations - args.extension_steps, lengths, args.train_seq_len)
 
 def long_window_blocks_at(step, args):
     """window_schedule's entry for the step's part of the scheduled steps (window_final_blocks after
-    them); without one, window_growth_tokens x progress in whole blocks, at least one (1 to 14)."""
+    them); without one (2025), window_growth_tokens x step/num_iterations in whole blocks, at least one
+    (1 to 14), growing through the extension steps too."""
     blocks, final, scheduled = _numbers(args.window_schedule, int), args.window_final_blocks, \
         args.num_iterations - args.extension_steps
     if blocks:
@@ -2300,7 +2305,8 @@ def log_header(log, args, ranks, hw, model, optimizer, data_note, data_files):
     effective = dict(world_size=ranks.world_size, effective_device=hw.device.type,
                      effective_compute_dtype=str(hw.compute_dtype).removeprefix("torch."),
                      effective_attention=hw.attention, effective_fp8_head=hw.fp8_head,
-                     effective_ns_backend=hw.ns_backend, grad_accum_steps=args.micro_batches // ranks.world_size,
+                     effective_ns_backend=hw.ns_backend, effective_ce_backend=hw.ce_backend,
+                     effective_mlp_backend=hw.mlp_backend, grad_accum_steps=args.micro_batches // ranks.world_size,
                      parameters=sum(p.numel() for p in model.parameters()),
                      optimizer_state_bytes_per_rank=optimizer.state_bytes())
     if hw.device.type == "cpu":  # the thread count orders the CPU's sums: runs compare only at one count
@@ -2313,7 +2319,7 @@ def log_header(log, args, ranks, hw, model, optimizer, data_note, data_files):
 
 @dataclass
 class TrainResult:
-    train_losses: list = field(default_factory=list)   # per step: mean loss per token
+    train_losses: list = field(default_factory=list)   # per step: the objective per token (with mtp, 1-3 tokens' weighted)
     val_losses: list = field(default_factory=list)     # (step, val_loss)
     resumed_val_losses: list = field(default_factory=list)  # the checkpoint's, kept in the next ones
     steps_done: int = 0
@@ -2673,7 +2679,7 @@ def plain_config(argv):  # a copy of this file alone: the machine's preset, then
     preset = options.get("preset", "speedrun" if torch.cuda.is_available() else "cpu")
     booleans = dict.fromkeys(("1", "true", "yes", "on"), True) | dict.fromkeys(("0", "false", "no", "off"), False)
     values = {name: booleans[text.lower()] if types[name] is bool else types[name](text) for name, text in options.items()}
-    return Hyperparameters(**{**PRESETS[preset], **values})
+    return Hyperparameters(**{**PRESETS[preset], "preset": preset, **values})
 
 def main(argv=None, environ=None):
     argv = sys.argv[1:] if argv is None else argv

@@ -23,6 +23,24 @@ def test_default_preset_follows_the_hardware():
     assert (speedrun.num_layers, speedrun.model_dim, speedrun.num_iterations) == (11, 768, 1600)  # the 2026 record's
 
 
+def test_a_copy_without_the_harness_takes_the_machines_preset_as_the_harness_does():
+    """train_gpt.py alone (plain_config: --field=value options) names the preset it applied, so that
+    the cpu preset falls back to the embedded sample and the log says cpu."""
+    for plain, options in (([], []), (["--preset=speedrun", "--num_iterations=70"], ["--preset", "speedrun",
+                                                                                    "--num_iterations", "70"])):
+        assert train_gpt.plain_config(plain) == parse(options)
+    assert train_gpt.plain_config([]).preset == "cpu"
+
+
+def test_the_extension_steps_train_at_train_seq_len_after_a_schedule():
+    """As the record's train_bs_extension: the schedule's lengths by thirds, then train_seq_len."""
+    args = parse(["--preset", "speedrun", "--train_seq_len", "65536"], cuda=True)
+    assert [train_gpt.train_seq_len_at(s, args) for s in (0, 519, 520, 1040, 1559, 1560, 1599)] == \
+        [16384, 16384, 32768, 49152, 49152, 65536, 65536]
+    fixed = parse(["--preset", "speedrun", "--train_seq_len_schedule", "", "--train_seq_len", "32768"], cuda=True)
+    assert {train_gpt.train_seq_len_at(s, fixed) for s in range(1600)} == {32768}
+
+
 def test_cpu_preset_changes_only_its_own_fields():
     cpu = parse(["--preset", "cpu"])
     assert cpu.num_layers == train_gpt.PRESETS["cpu"]["num_layers"]

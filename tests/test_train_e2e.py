@@ -56,7 +56,8 @@ def test_script_writes_a_complete_log(tmp_path, make_shards):
     assert re.fullmatch(r"\w{3} \w{3} +\d+ \d\d:\d\d:\d\d \d{4}", header[3])   # the date, as nvidia-smi's first line
     assert header[4].startswith("CPU: ")
     for key in ("preset=cpu", "run_name=e2e", "target_val_loss=6.0", "num_iterations=4", "world_size=1",
-                "effective_device=cpu", "effective_attention=sdpa"):
+                "effective_device=cpu", "effective_attention=sdpa", "effective_ns_backend=torch",
+                "effective_ce_backend=torch", "effective_mlp_backend=torch"):
         assert key in header, key
     for f in train_gpt.dataclasses.fields(train_gpt.Hyperparameters):
         assert any(line.startswith(f"{f.name}=") for line in header), f.name
