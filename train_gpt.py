@@ -2677,8 +2677,16 @@ def plain_config(argv):  # a copy of this file alone: the machine's preset, then
     if unknown or needs:
         raise ConfigError(needs[0] if needs else f"{unknown[0]}: expected --field=value with a field of Hyperparameters")
     preset = options.get("preset", "speedrun" if torch.cuda.is_available() else "cpu")
+    if preset not in PRESETS:
+        raise ConfigError(f"--preset={preset}: expected one of {', '.join(PRESETS)}")
     booleans = dict.fromkeys(("1", "true", "yes", "on"), True) | dict.fromkeys(("0", "false", "no", "off"), False)
-    values = {name: booleans[text.lower()] if types[name] is bool else types[name](text) for name, text in options.items()}
+    values = {}
+    for name, text in options.items():
+        try:
+            values[name] = booleans[text.lower()] if types[name] is bool else types[name](text)
+        except (KeyError, ValueError):
+            expected = "true or false" if types[name] is bool else f"a value of type {types[name].__name__}"
+            raise ConfigError(f"--{name}={text}: expected {expected}") from None
     return Hyperparameters(**{**PRESETS[preset], "preset": preset, **values})
 
 def main(argv=None, environ=None):
@@ -2694,7 +2702,7 @@ def main(argv=None, environ=None):
     try:
         args = plain_config(argv)
         check_config(args, ranks.world_size, torch.cuda.is_available())
-    except (ConfigError, ValueError, TypeError, KeyError) as e:  # KeyError: an unknown preset or boolean
+    except (ConfigError, ValueError, TypeError) as e:
         say(f"{os.path.basename(__file__)}: error: {first_line(e)}", sys.stderr)
         return EXIT_CONFIG
     hw = Hardware.detect(args, ranks)

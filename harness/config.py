@@ -185,15 +185,23 @@ def named_as_set(message, argv, environ):
 
 
 def field_descriptions():
-    """Each field's trailing comment in the Hyperparameters source: the one place it is written."""
+    """Each field's trailing comment in the Hyperparameters source: the one place it is written. A
+    comment alone on the next lines, in the same column, continues it."""
     source = inspect.getsource(tg.Hyperparameters)
-    comments = {token.start[0]: token.string.lstrip("#").strip()
+    comments = {token.start[0]: (token.start[1], token.string.lstrip("#").strip())
                 for token in tokenize.generate_tokens(io.StringIO(source).readline) if token.type == tokenize.COMMENT}
-    descriptions = {}
+    descriptions, last = {}, None  # last: (field, its comment's column)
     for number, line in enumerate(source.splitlines(), start=1):
         match = re.match(r"\s+(\w+):", line)
-        if match and number in comments:
-            descriptions[match.group(1)] = comments[number]
+        column, text = comments.get(number, (None, None))
+        if match:
+            last = (match.group(1), column) if column is not None else None
+            if last:
+                descriptions[last[0]] = text
+        elif last and column == last[1] and not line[:column].strip():
+            descriptions[last[0]] += " " + text
+        else:
+            last = None
     return descriptions
 
 

@@ -189,6 +189,18 @@ def help_text(argv, environ=None, cuda=False):
     return str(help_info.value).splitlines()
 
 
+def test_a_fields_comment_continued_on_the_next_lines_is_its_help_text_whole():
+    import inspect
+    continued = [line.strip().lstrip("#").strip() for line in inspect.getsource(train_gpt.Hyperparameters).splitlines()
+                 if line.strip().startswith("#") and len(line) - len(line.lstrip()) > 8]
+    assert len(continued) >= 5  # yarn's, attn_backend's, muon_update_scale's, ...
+    help_lines = help_text(["--help"])
+    for text in continued:
+        assert any(text in line for line in help_lines if line.startswith("  --")), text
+    [yarn] = [line for line in help_lines if line.startswith("  --yarn=")]
+    assert "stretches it and raises attn_scale (false: pairs (i, i + head_dim/2), fp32, 2025) [true|false]" in yarn
+
+
 def test_help_shows_the_active_values_descriptions_and_choices():
     lines = help_text(["--help", "--preset", "cpu"], {"SEED": "7"})  # --help may come first
     fields = {line.split()[0]: line for line in lines if line.startswith("  --")}

@@ -548,6 +548,27 @@ def test_a_copy_of_train_gpt_outside_the_repository_says_where_its_default_data_
     done = subprocess.run([sys.executable, str(fork), "--sample=x.pt"], capture_output=True, text=True, timeout=120,
                           cwd=tmp_path)
     assert (done.returncode, done.stderr) == (2, "train_gpt.py: error: --sample: needs harness/ beside train_gpt.py\n")
+    for bad, line in (("--num_iterations=abc", "--num_iterations=abc: expected a value of type int"),
+                      ("--smear=maybe", "--smear=maybe: expected true or false"),
+                      ("--preset=big", "--preset=big: expected one of speedrun, cpu")):
+        done = subprocess.run([sys.executable, str(fork), bad], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert (done.returncode, done.stderr) == (2, f"train_gpt.py: error: {line}\n")
+
+
+@pytest.mark.slow
+def test_a_copy_of_train_gpt_beside_data_trains_the_cpu_preset_on_the_sample(tmp_path):
+    """Without --preset, on a CPU: the cpu preset by name, so the embedded sample stands in for FineWeb."""
+    fork = tmp_path / "fork" / "train_gpt.py"
+    fork.parent.mkdir()
+    shutil.copy(ROOT / "train_gpt.py", fork)
+    (fork.parent / "data").symlink_to(ROOT / "data")
+    done = subprocess.run([sys.executable, str(fork), "--num_iterations=5", "--extension_steps=1", "--val_tokens=2048",
+                           f"--log_dir={tmp_path / 'logs'}"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    [log] = (tmp_path / "logs").glob("*/*.txt")
+    text = log.read_text()
+    assert "\npreset=cpu\n" in text and "data/sample/sample_train_" in text
+    assert "step:5/5 val_loss:" in text
 
 
 def test_bad_token_in_a_late_shard_stops_before_training(make_shards):
