@@ -2213,6 +2213,9 @@ def train_seq_len_at(step, args):  # the batch size schedule, per micro-batch
     lengths = _numbers(args.train_seq_len_schedule, int) or [args.train_seq_len]
     return _staged(step, args.num_iterations - args.extension_steps, lengths, args.train_seq_len)
 
+def eta_seconds(elapsed_ms, step, tokens_through):  # time so far per token over the tokens left (the batch grows)
+    return elapsed_ms / 1000 * (tokens_through[-1] - tokens_through[step - 1]) / tokens_through[step - 1]
+
 def long_window_blocks_at(step, args):
     """window_schedule's entry for the step's part of the scheduled steps (window_final_blocks after
     them); without one (2025), window_growth_tokens x step/num_iterations in whole blocks, at least one
@@ -2398,6 +2401,7 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
                     for blocks in longs | {max(b // 2, 1) for b in longs} | {args.window_validate_final_blocks}}
 
     # the multi-token loss's weights of each step, made once (a copy each step would make the host wait)
+    tokens_through = np.cumsum([train_seq_len_at(s, args) for s in range(args.num_iterations)]).tolist()
     mtp_weights = ([torch.tensor(mtp_weights_at(s, args), device=hw.device) for s in range(args.num_iterations + 1)]
                    if args.mtp else None)
 
@@ -2585,7 +2589,7 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
                 step += 1
                 approx_ms = training_time_ms + 1000 * (time.perf_counter() - t0)
                 line = f"step:{step}/{N} train_time:{approx_ms:.0f}ms step_avg:{approx_ms / step:.2f}ms"
-                log(line, console=f"{line} eta:{duration((N - step) * approx_ms / step / 1000)}")
+                log(line, console=f"{line} eta:{duration(eta_seconds(approx_ms, step, tokens_through))}")
                 if args.checkpoint_every and step % args.checkpoint_every == 0 and step < N:
                     synchronize(hw)  # the clock stops while the checkpoint is checked and written
                     training_time_ms += 1000 * (time.perf_counter() - t0)

@@ -57,13 +57,16 @@ def command_line_options(argv):
     cli = {}
     help_requested = False
     tokens = list(argv)
+    previous = None  # the last option's field: a path after a *_files value is the shell's expansion of it
     while tokens:
         token = tokens.pop(0)
         if token in ("-h", "--help"):
             help_requested = True
             continue
         if not token.startswith("--"):
-            raise tg.ConfigError(f"unexpected argument {token!r}: options look like --field value")
+            expanded = (f" (the shell expanded the glob of --{previous}: quote it)"
+                        if previous in ("train_files", "val_files") else "")
+            raise tg.ConfigError(f"unexpected argument {token!r}: options look like --field value{expanded}")
         name, sep, value = token[2:].partition("=")
         name = name.replace("-", "_")
         if name not in FIELD_NAMES:
@@ -78,7 +81,7 @@ def command_line_options(argv):
             else:
                 raise tg.ConfigError(f"--{name}: missing value (--{name} VALUE, or --{name}=VALUE for one "
                                   "that starts with --)")
-        cli[name] = value
+        cli[name], previous = value, name
     return cli, help_requested
 
 

@@ -1,6 +1,7 @@
 """Configuration: presets, overrides from the command line and the environment, and rejection of
 bad values with one line naming the field, before any process group, file or data is touched."""
 
+import itertools
 import os
 import subprocess
 import sys
@@ -39,6 +40,26 @@ def test_the_extension_steps_train_at_train_seq_len_after_a_schedule():
         [16384, 16384, 32768, 49152, 49152, 65536, 65536]
     fixed = parse(["--preset", "speedrun", "--train_seq_len_schedule", "", "--train_seq_len", "32768"], cuda=True)
     assert {train_gpt.train_seq_len_at(s, fixed) for s in range(1600)} == {32768}
+
+
+def test_the_console_eta_counts_the_tokens_left_not_the_steps():
+    """The speedrun's micro-batches grow 16Ki, 32Ki, 48Ki by thirds of 1560 steps, then 40 at 48Ki:
+    after step 1 in 1 s, what is left takes (tokens left / 16Ki) s = 3239 s, not 1599 s."""
+    args = parse(["--preset", "speedrun"], cuda=True)
+    through = list(itertools.accumulate(train_gpt.train_seq_len_at(s, args) for s in range(1600)))
+    per_token = 1 / 16384
+    assert train_gpt.eta_seconds(1000, 1, through) == pytest.approx(per_token * (520 * (16384 + 32768 + 49152)
+                                                                                 + 40 * 49152 - 16384))
+    assert train_gpt.eta_seconds(1000, 1, through) == pytest.approx(3239)  # the steps' count says 1599
+    assert train_gpt.eta_seconds(5000, 1600, through) == 0
+
+
+def test_a_glob_the_shell_expanded_is_named_as_such():
+    with pytest.raises(train_gpt.ConfigError, match=r"^unexpected argument '/d/b_2.bin': options look like --field "
+                       r"value \(the shell expanded the glob of --val_files: quote it\)$"):
+        parse(["--seed", "1", "--val_files", "/d/b_1.bin", "/d/b_2.bin"])
+    with pytest.raises(train_gpt.ConfigError, match=r"^unexpected argument '2': options look like --field value$"):
+        parse(["--seed", "1", "2"])
 
 
 def test_cpu_preset_changes_only_its_own_fields():
