@@ -138,7 +138,7 @@ def parse_config(argv, environ, world_size=1, cuda_available=None, verify_checkp
                 pass
             if unreadable is not None and field_named_by(e) not in set_fields | {None}:
                 raise unreadable  # the value that fails is one the checkpoint would have replaced
-            raise from_the_checkpoint(e, inherited) from None
+            raise from_the_preset(from_the_checkpoint(e, inherited), args.preset, set_fields | set(inherited)) from None
         refusal = named_as_set(str(e), argv, environ)
         raise HelpRequested(f"{config_help(args, cuda_available, from_environment, unreadable)}\n"
                             f"These values are refused: {refusal}") from None
@@ -557,6 +557,15 @@ def field_named_by(error):
     """The field a ConfigError is about (its message starts --field), or None."""
     named = re.match(r"--(\w+)", str(error))
     return named.group(1) if named else None
+
+
+def from_the_preset(error, preset, set_fields):
+    """A ConfigError about a value nobody set (its first --field), saying it is the preset's, where
+    the message does not already say how to set it."""
+    name = field_named_by(error)
+    if name is None or name in set_fields or name not in FIELD_NAMES or str(error).count(f"--{name}") > 1:
+        return error
+    return type(error)(f"{error} (the {preset} preset's value)")
 
 
 def from_the_checkpoint(error, inherited):

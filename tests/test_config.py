@@ -54,6 +54,17 @@ def test_the_console_eta_counts_the_tokens_left_not_the_steps():
     assert train_gpt.eta_seconds(5000, 1600, through) == 0
 
 
+def test_a_refused_value_nobody_set_is_named_as_the_presets():
+    with pytest.raises(train_gpt.ConfigError, match=r"^--extension_steps=4: must be below num_iterations=4 "
+                       r"\(the cpu preset's value\)$"):
+        parse(["--num_iterations", "4"])
+    with pytest.raises(train_gpt.ConfigError, match=r"^--extension_steps=40: must be below num_iterations=30 "
+                       r"\(the speedrun preset's value\)$"):
+        parse(["--num_iterations", "30"], cuda=True)
+    with pytest.raises(train_gpt.ConfigError, match=r"^--extension_steps=4: must be below num_iterations=4$"):
+        parse(["--num_iterations", "4"], {"EXTENSION_STEPS": "4"})  # set by the user: no note
+
+
 def test_a_glob_the_shell_expanded_is_named_as_such():
     with pytest.raises(train_gpt.ConfigError, match=r"^unexpected argument '/d/b_2.bin': options look like --field "
                        r"value \(the shell expanded the glob of --val_files: quote it\)$"):
