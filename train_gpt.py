@@ -52,8 +52,8 @@ BOS_TOKEN = 50256  # GPT-2's <|endoftext|>; every document in a shard starts wit
 # steps, val loss 3.2776 over 6 runs in 98.4 s), its model, data order, schedules and optimizer
 # formulas. Our own ideas are flags that are off; so are the older records' ways, where an option
 # still has them (marked 2025: the record of 2025-08-23). Where the record's way needs what is not
-# shipped here (FlashAttention-3 from the hub, Hopper's TMA kernel), ours is the default and a flag
-# gives the nearest (README: departures). Each field's comment is its --help text.
+# shipped here (FlashAttention-3 from the hub, Hopper's TMA kernel), ours is the default and the
+# alternatives are flags (README: departures). Each field's comment is its --help text.
 
 @dataclass
 class Hyperparameters:
@@ -149,7 +149,7 @@ class Hyperparameters:
     ce_backend: str = "auto"            # the multi-token loss: triton (the record's fused kernels) on CUDA, or torch
     mlp_backend: str = "auto"           # the MLP: triton (the record's GEMM with relu^2 fused) on CUDA, or torch
     muon_update_scale: str = "aspect"   # update x muon_lr*(long side/short side)^0.5 (aspect), x muon_lr*max(1,
-                                        # rows/cols)^0.5 (record: 2025), or x adam_lr*0.2*max(rows, cols)^0.5 (moonlight)
+                                        # rows/cols)^0.5 (2025), or x adam_lr*0.2*max(rows, cols)^0.5 (moonlight)
     mlp_proj_lr_mult: float = 2.0       # the MLP's output matrices' Muon lr x this
     normuon: bool = True                # NorMuon variance normalization after orthogonalization
     normuon_beta2: float = 0.95         # NorMuon second-moment decay
@@ -160,7 +160,7 @@ class Hyperparameters:
     # loop
     val_every: int = 250                # validate every N steps (0: only at the end)
     warmup_steps: int = 10              # 0: no untimed warmup; else (without warmup_at_transitions) this many steps
-    warmup_at_transitions: bool = True  # warm up on steps 0-2 and around each window change, each validating too
+    warmup_at_transitions: bool = True  # warm up on steps 0-2 and around each window or batch change, validating too
     check_every: int = 10               # steps between checks for a non-finite loss or a stop signal (one host-GPU sync)
     device: str = "auto"                # auto, cuda or cpu
     threads: int = 0                    # CPU threads per process (0: usable cores / local processes); orders sums
@@ -758,7 +758,7 @@ class MatrixSlot:
     spec: ParamSpec
     index: int | None     # which matrix of a stacked (k, rows, cols) parameter; None for 2-D
     transposed: bool
-    update_scale: str = "record"  # Hyperparameters.muon_update_scale
+    update_scale: str     # Hyperparameters.muon_update_scale: aspect, 2025 or moonlight
 
     def view(self, tensor):
         t = tensor if self.index is None else tensor[self.index]
@@ -2156,11 +2156,11 @@ def resolve_data_files(args):
 # 8. Training
 #
 # Set-up, untimed warmup steps on random tokens that compile every graph (the record's: steps 0-2 and
-# those around each window change, each with a validation pass), a reset to the initial
-# state, then the timed steps (the clock stops for validation). The log keeps the public speedrun's
-# line formats. A non-finite loss, a val loss a nat above step 0's, a stop signal or a failed log
-# write stops the run at the next check (every check_every steps and before validations, by all
-# ranks together).
+# those around each window change, each with a validation pass; ours adds a batch-size change), a
+# reset to the initial state, then the timed steps (the clock stops for validation). The log keeps
+# the public speedrun's line formats. A val loss that is not finite or a nat above step 0's stops the
+# run at that validation; a non-finite train loss, a stop signal or a failed log write at the next
+# check (every check_every steps and before validations, by all ranks together).
 
 # --- the schedules, by step ----------------------------------------------------------------------
 # Progress runs over the scheduled steps: num_iterations less the extension_steps that follow them.
@@ -2227,9 +2227,9 @@ def long_window_blocks_at(step, args):
     tokens = args.window_growth_tokens * (step / args.num_iterations)
     return max(1, int(-(-tokens // args.attn_block_size)))  # float floor division is exact: a true ceiling
 
-def warmup_steps_at_transitions(args):  # steps 0-2 and those around each change of the long window
-    longs = [long_window_blocks_at(s, args) for s in range(args.num_iterations)]
-    changes = [s for s in range(1, args.num_iterations) if longs[s] != longs[s - 1]]
+def warmup_steps_at_transitions(args):  # steps 0-2 and those around each change of window or batch (new shapes)
+    shapes = [(long_window_blocks_at(s, args), train_seq_len_at(s, args)) for s in range(args.num_iterations)]
+    changes = [s for s in range(1, args.num_iterations) if shapes[s] != shapes[s - 1]]
     return sorted(({0, 1, 2} | {s + d for s in changes for d in (-1, 0, 1)}) & set(range(args.num_iterations)))
 
 def follow_windows(rotary, step, args):  # YaRN's state at a step: the initial one, then each window change up to it

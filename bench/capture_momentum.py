@@ -35,7 +35,7 @@ DEFAULTS_2025 = dict(
     train_max_doc_len=0, train_seq_len_schedule="", window_schedule="", window_final_blocks=0,
     window_validate_final_blocks=0, extension_steps=0, lr_plateaus="1", cooldown_frac=0.45, adam_table="2025",
     adam_weight_decay=0.0, adam_every=1, embed_split_frac=0.0, muon_lr=0.05, muon_momentum_cooldown_steps=0,
-    muon_update_scale="record", mlp_proj_lr_mult=1.0, normuon=False, weight_decay=0.0, muon_decay="lr",
+    muon_update_scale="2025", mlp_proj_lr_mult=1.0, normuon=False, weight_decay=0.0, muon_decay="lr",
     cautious_wd=False, warmup_at_transitions=False,
 )
 CAPTURE_MODEL = dict(

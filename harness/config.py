@@ -22,7 +22,7 @@ FIELD_NAMES = frozenset(FIELD_TYPES)
 FLEX_TILE = 128  # on CUDA, --attn_block_size must be a multiple (check_config says why)
 # Fields that take one of a fixed set of values (booleans aside); check_config and --help read this.
 CHOICES = dict(preset=tuple(tg.PRESETS), ns_method=tg.NS_METHODS, ns_backend=("auto",) + tg.NS_BACKENDS,
-               muon_update_scale=("record", "moonlight", "aspect"), muon_decay=("lr", "lr2"), matrix_optimizer=("muon", "adam"), device=("auto", "cpu", "cuda"),
+               muon_update_scale=("2025", "moonlight", "aspect"), muon_decay=("lr", "lr2"), matrix_optimizer=("muon", "adam"), device=("auto", "cpu", "cuda"),
                compile_scope=("model", "blocks"), init=("2025", "2026"), adam_table=("2025", "2026"),
                fp8_scales=("bounded", "2026"), ce_backend=("auto",) + tg.NS_BACKENDS,
                mlp_backend=("auto",) + tg.NS_BACKENDS, attn_backend=("flex", "varlen"))
@@ -64,7 +64,7 @@ def command_line_options(argv):
             help_requested = True
             continue
         if not token.startswith("--"):
-            expanded = (f" (the shell expanded the glob of --{previous}: quote it)"
+            expanded = (f" (probably the shell's expansion of --{previous}'s glob: quote it)"
                         if previous in ("train_files", "val_files") else "")
             raise tg.ConfigError(f"unexpected argument {token!r}: options look like --field value{expanded}")
         name, sep, value = token[2:].partition("=")
@@ -121,7 +121,9 @@ def parse_config(argv, environ, world_size=1, cuda_available=None, verify_checkp
         sample_only = sorted({"prompt", "max_new_tokens", "temperature", "top_k"} & set_fields)
         if sample_only and not args.sample:  # a training run would ignore them in silence
             raise tg.ConfigError(f"--{sample_only[0]}: only --sample reads it (--sample CHECKPOINT --{sample_only[0]} ...)")
-        table_set = sorted({"adam_beta1", "adam_beta2", "embed_lr_mult", "head_lr_mult", "scalar_lr_mult"} & set_fields)
+        table_fields = {"embed_lr_mult", "head_lr_mult", "scalar_lr_mult"} | \
+            ({"adam_beta1", "adam_beta2"} if args.matrix_optimizer != "adam" else set())  # on Adam the matrices take them
+        table_set = sorted(table_fields & set_fields)
         if table_set and args.adam_table == "2026":
             raise tg.ConfigError(f"--{table_set[0]}: --adam_table 2026 takes Adam's betas and lr multipliers from "
                                  "ADAM_2026 in train_gpt.py (edit it there)")
@@ -138,7 +140,7 @@ def parse_config(argv, environ, world_size=1, cuda_available=None, verify_checkp
                 pass
             if unreadable is not None and field_named_by(e) not in set_fields | {None}:
                 raise unreadable  # the value that fails is one the checkpoint would have replaced
-            raise from_the_preset(from_the_checkpoint(e, inherited), args.preset, set_fields | set(inherited)) from None
+            raise from_the_preset(from_the_checkpoint(e, inherited), args, set_fields | set(inherited)) from None
         refusal = named_as_set(str(e), argv, environ)
         raise HelpRequested(f"{config_help(args, cuda_available, from_environment, unreadable)}\n"
                             f"These values are refused: {refusal}") from None
@@ -559,13 +561,15 @@ def field_named_by(error):
     return named.group(1) if named else None
 
 
-def from_the_preset(error, preset, set_fields):
+def from_the_preset(error, args, set_fields):
     """A ConfigError about a value nobody set (its first --field), saying it is the preset's, where
-    the message does not already say how to set it."""
+    the message does not already say how to set it (nor, with --sample, where the checkpoint gives it)."""
     name = field_named_by(error)
     if name is None or name in set_fields or name not in FIELD_NAMES or str(error).count(f"--{name}") > 1:
         return error
-    return type(error)(f"{error} (the {preset} preset's value)")
+    if args.sample and name in tg.harness("sample").MODEL_FIELDS:
+        return error
+    return type(error)(f"{error} (the {args.preset} preset's value)")
 
 
 def from_the_checkpoint(error, inherited):

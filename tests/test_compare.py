@@ -975,12 +975,12 @@ def test_settings_only_some_logs_record_are_a_version_difference_not_a_configura
     [warning] = [w for w in warnings if "effective_threads" in w]
     assert warning.startswith("mixed: settings only some of the logs record: effective_threads (2 of 3); ")
     # the logs that record a setting still disagree where they do: that is a configuration difference
-    write_logs(tmp_path / "disagree", [with_settings(make_log(3.2771), seed=0, muon_update_scale="record"),
+    write_logs(tmp_path / "disagree", [with_settings(make_log(3.2771), seed=0, muon_update_scale="2025"),
                                        with_settings(make_log(3.2781), seed=1, muon_update_scale="moonlight"),
                                        with_settings(make_log(3.2791), seed=2)])
     [warning] = compare.load_folder(tmp_path / "disagree").warnings
     assert warning.startswith("disagree: the runs differ in configuration: muon_update_scale "
-                              "(moonlight: 1 run, record: 1 run; 1 without it); ")
+                              "(2025: 1 run, moonlight: 1 run; 1 without it); ")
     runs_dir, base_dir = tmp_path / "runs", tmp_path / "base"
     write_logs(runs_dir, [with_settings(make_log(l, t), seed=i, effective_threads=2, muon_lr=0.04)
                           for i, (l, t) in enumerate(zip(LOSSES, TIMES))])

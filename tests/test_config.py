@@ -63,11 +63,16 @@ def test_a_refused_value_nobody_set_is_named_as_the_presets():
         parse(["--num_iterations", "30"], cuda=True)
     with pytest.raises(train_gpt.ConfigError, match=r"^--extension_steps=4: must be below num_iterations=4$"):
         parse(["--num_iterations", "4"], {"EXTENSION_STEPS": "4"})  # set by the user: no note
+    odd_heads = ["--num_heads", "3", "--model_dim", "768", "--head_dim", "256"]
+    with pytest.raises(train_gpt.ConfigError, match=r"needs an even num_heads, not 3 \(the speedrun preset's value\)$"):
+        parse(odd_heads, cuda=True)
+    with pytest.raises(train_gpt.ConfigError, match=r"needs an even num_heads, not 3$"):  # --sample: the checkpoint's
+        parse(["--sample", "missing.pt", *odd_heads], cuda=True)
 
 
 def test_a_glob_the_shell_expanded_is_named_as_such():
     with pytest.raises(train_gpt.ConfigError, match=r"^unexpected argument '/d/b_2.bin': options look like --field "
-                       r"value \(the shell expanded the glob of --val_files: quote it\)$"):
+                       r"value \(probably the shell's expansion of --val_files's glob: quote it\)$"):
         parse(["--seed", "1", "--val_files", "/d/b_1.bin", "/d/b_2.bin"])
     with pytest.raises(train_gpt.ConfigError, match=r"^unexpected argument '2': options look like --field value$"):
         parse(["--seed", "1", "2"])
@@ -144,6 +149,8 @@ BAD = [
     (["--init", "2024"], {}, 1, "--init='2024': expected one of 2025, 2026"),
     (["--adam_table", "2026", "--embed_lr_mult", "50"], {}, 1,
      "--embed_lr_mult: --adam_table 2026 takes Adam's betas and lr multipliers from ADAM_2026"),
+    (["--adam_table", "2026", "--adam_beta2", "0.9"], {}, 1,
+     "--adam_beta2: --adam_table 2026 takes Adam's betas and lr multipliers from ADAM_2026"),  # Muon's matrices
     (["--adam_weight_decay", "-1"], {}, 1, "--adam_weight_decay=-1.0: must not be negative"),
     (["--muon_decay", "lr3"], {}, 1, "--muon_decay='lr3': expected one of lr, lr2"),
     (["--adam_every", "2", "--save_checkpoint", "--checkpoint_every", "3"], {}, 1,
@@ -380,3 +387,18 @@ def test_a_run_ending_between_adam_steps_is_warned_of(steps, every, left):
         return
     assert warned == ([f"warning: --num_iterations={steps} is not a multiple of adam_every={every}: the last {left} "
                        "step(s)' Adam gradients (embeddings, head, scalars) are never applied"] if left else [])
+
+
+def test_adam_betas_are_taken_under_the_2026_table_where_the_matrices_train_on_adam():
+    """The 2026 table fixes the embeddings', head's and scalars' betas; with --matrix_optimizer adam the
+    block matrices train at --adam_beta1/2, so those options are no longer refused."""
+    args = cfg.parse_config(["--preset=cpu", "--adam_table=2026", "--matrix_optimizer=adam", "--adam_beta1=0.7",
+                                "--adam_beta2=0.9"], {}, world_size=1, cuda_available=False)
+    model = train_gpt.GPT(args, train_gpt.Hardware.detect(args))
+    specs = {s.name: s for s in train_gpt.param_specs(model, args)}
+    matrices = [s for s in specs.values() if s.group == "matrix" and not s.name.endswith("gate_w")]
+    assert matrices and all(s.betas == (0.7, 0.9) and s.optimizer == "adam" for s in matrices)
+    assert specs["lm_head_w"].betas == train_gpt.ADAM_2026["head"][:2]  # the table's, untouched
+    with pytest.raises(train_gpt.ConfigError, match="--embed_lr_mult: --adam_table 2026"):
+        cfg.parse_config(["--preset=cpu", "--adam_table=2026", "--matrix_optimizer=adam", "--embed_lr_mult=2"],
+                            {}, world_size=1, cuda_available=False)

@@ -17,7 +17,7 @@ from conftest import perturbed_tiny_model
 
 # The 2025-08-23 record's Muon: Newton-Schulz, max(1, rows/cols)^0.5, no NorMuon or decay; its Adam table
 # leaves the attention gates to Muon; fp32 weights.
-MUON_2025 = dict(adam_table="2025", ns_method="newton_schulz", muon_update_scale="record", normuon=False,
+MUON_2025 = dict(adam_table="2025", ns_method="newton_schulz", muon_update_scale="2025", normuon=False,
                  weight_decay=0.0, muon_decay="lr", cautious_wd=False, mlp_proj_lr_mult=1.0, muon_lr=0.05,
                  bf16_weights=False)
 
@@ -69,9 +69,9 @@ def test_moonlight_update_scale_is_seed_004s():
 
 
 def test_update_scale_factors():
-    """The factor per matrix under each rule: record is the 2025 speedrun's max(1, rows/cols)^0.5, aspect
+    """The factor per matrix under each rule: 2025 is the 2025 speedrun's max(1, rows/cols)^0.5, aspect
     the 2026 record's (long side / short side)^0.5."""
-    for rule, shape, factor in [("record", (768, 3072), 1.0), ("record", (3072, 768), 2.0),
+    for rule, shape, factor in [("2025", (768, 3072), 1.0), ("2025", (3072, 768), 2.0),
                                 ("moonlight", (768, 3072), 0.2 * 3072 ** 0.5),
                                 ("moonlight", (3072, 768), 0.2 * 3072 ** 0.5),
                                 ("moonlight", (4, 768, 768), 0.2 * 768 ** 0.5),

@@ -20,7 +20,7 @@ PEER = Path(__file__).resolve().parents[1].parent / "shared" / "peers" / "modded
 # 2025 table (one pair of betas, moments in the parameter's dtype; the gates on Muon), every step, no decay
 # and no split embedding; plain Muon (Newton-Schulz, lr 0.05 x max(1, rows/cols)^0.5); fp32 weights.
 OPTIM_2025 = dict(adam_table="2025", adam_weight_decay=0.0, adam_every=1, embed_split_frac=0.0, muon_lr=0.05,
-                  ns_method="newton_schulz", muon_update_scale="record", mlp_proj_lr_mult=1.0, normuon=False,
+                  ns_method="newton_schulz", muon_update_scale="2025", mlp_proj_lr_mult=1.0, normuon=False,
                   weight_decay=0.0, muon_decay="lr", cautious_wd=False, bf16_weights=False,
                   compile_adam=False)  # its Adam ran eagerly (test_the_records_adam_runs_eagerly_as_the_preset_does)
 

@@ -156,3 +156,15 @@ def test_bad_schedule_options_fail_in_one_line(option, value, message):
 def test_warmup_samples_the_records_steps():
     # every log of the record: "Sampling steps [0, 1, 2, 519, 520, 521, 1039, 1040, 1041, 1559, 1560, 1561] for warmup"
     assert train_gpt.warmup_steps_at_transitions(ARGS) == [0, 1, 2, 519, 520, 521, 1039, 1040, 1041, 1559, 1560, 1561]
+
+
+def test_warmup_also_samples_a_change_of_batch_alone():
+    """Where the extension's length differs from the last stage's and the window does not change
+    (--window_final_blocks 0 keeps the last entry), the warmup still compiles the new shape."""
+    a = train_gpt.Hyperparameters(window_final_blocks=0, train_seq_len=65536)
+    assert train_gpt.long_window_blocks_at(1559, a) == train_gpt.long_window_blocks_at(1560, a)
+    assert train_gpt.train_seq_len_at(1559, a) != train_gpt.train_seq_len_at(1560, a)
+    assert train_gpt.warmup_steps_at_transitions(a) == [0, 1, 2, 519, 520, 521, 1039, 1040, 1041, 1559, 1560, 1561]
+    b = train_gpt.Hyperparameters(window_final_blocks=0)  # same window and same length: nothing new to compile
+    assert train_gpt.train_seq_len_at(1559, b) == train_gpt.train_seq_len_at(1560, b) == 49152
+    assert train_gpt.warmup_steps_at_transitions(b) == [0, 1, 2, 519, 520, 521, 1039, 1040, 1041]
