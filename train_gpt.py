@@ -2405,7 +2405,9 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
     mtp_weights = ([torch.tensor(mtp_weights_at(s, args), device=hw.device) for s in range(args.num_iterations + 1)]
                    if args.mtp else None)
 
-    def windows(step, final_validation=False):  # (long, short) window sizes in blocks: short is half the step's long
+    def enter_step(step, final_validation=False):
+        """Sets the step's model state (YaRN at its window, the embedding tied or split) and returns its
+        (long, short) window sizes in blocks: short is half the long."""
         long = long_window_blocks_at(step, args)
         short = max(long // 2, 1)
         model.rotary.follow(long, args.attn_block_size)  # (YaRN, where the window changes)
@@ -2458,7 +2460,7 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
         optimizer.lr_factor = lr_factor_at(step, args)
         optimizer.adam_step_now = adam_steps_at(step, args)
         optimizer.muon_momentum = muon_momentum_at(step, args)
-        step_windows = windows(step)
+        step_windows = enter_step(step)
         loss_sum = torch.zeros((), device=hw.device)
         for micro in range(accum_steps):
             inputs, targets = next_batch(seq_len)
@@ -2476,7 +2478,7 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
     @torch.no_grad()
     def validate(step):
         model.eval()
-        step_windows = windows(step, final_validation=step == N)
+        step_windows = enter_step(step, final_validation=step == N)
         sum_and_count = torch.zeros(2, device=hw.device)  # ranks may hold one window more than others
         for inputs, targets in val_batches(val_tokens, args.val_seq_len, ranks.rank, ranks.world_size, hw.device):
             sum_and_count[0] += model(inputs, targets, *step_windows)
@@ -2500,7 +2502,7 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
             with torch.no_grad():
                 model.eval()
                 inputs, targets = next(val_batches(val_tokens, args.val_seq_len, 0, 1, hw.device))
-                model(inputs, targets, *windows(step))
+                model(inputs, targets, *enter_step(step))
                 model.train()
         steps = [w * args.num_iterations // args.warmup_steps for w in range(args.warmup_steps)]
         if args.warmup_at_transitions:  # the record's: every graph the run will need (its windows, YaRN scales, sizes)

@@ -1237,7 +1237,7 @@ def compile_counts(tg, torch, argv, cuda, backend, fp8_head=None):
             # the weights' count changes by thirds (a graph each, which warmup compiles): round 2 keeps step 0's,
             # so that it tests the window alone
             mtp = torch.tensor(tg.mtp_weights_at(0, args), device=hw.device) if args.mtp else None
-            model.embed_tied = tg.embed_tied_at(step, args)   # as train()'s windows(step) sets it
+            model.embed_tied = tg.embed_tied_at(step, args)   # as train()'s enter_step(step) sets it
             model.train()
             tokens = doc_tokens(torch, args.train_seq_len + 1, 8, gen, hw.device)
             model(tokens[:-1], tokens[1:], *windows, mtp).backward()

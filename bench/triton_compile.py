@@ -280,7 +280,7 @@ def inductor_forward_graphs(tg, torch):
             torch._dynamo.reset()
             start, before = time.perf_counter(), len(kernels)
             model.train(training)
-            model.embed_tied = tg.embed_tied_at(0, args)   # as train()'s windows(0) sets it
+            model.embed_tied = tg.embed_tied_at(0, args)   # as train()'s enter_step(0) sets it
             T = tg.train_seq_len_at(0, args) if training else args.val_seq_len
             long = tg.long_window_blocks_at(0, args)
             with fake:
