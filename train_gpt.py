@@ -84,7 +84,7 @@ class Hyperparameters:
     bigram_vocab_size: int = 5 * 50304  # rows of the hashed embedding of each (previous, own) token pair, added at
                                         # every block (0: none)
     smear: bool = True                  # each token's embedding takes a gated share of the one before
-    skip_layers: str = "3,6"            # block 3's output joins block 6's input through a gate ("": U-net skips, 2025)
+    skip_layers: str = "3,6"            # FROM,TO: block FROM's output joins block TO's input by a gate ("": U-net, 2025)
     backout_layer: int = 7              # a learned share of this block's output is taken from the last (-1: none)
     resid_lambda_init: float = 1.1      # each block's input is a*x + b*x0 + c*bigram, a starting here
     init: str = "2026"                  # q,k,v std dim^-0.5, value embeddings 0, head N(0, 0.005), embed a copy (2025)
