@@ -565,9 +565,8 @@ def from_the_preset(error, args, set_fields):
     """A ConfigError about a value nobody set (its first --field), saying it is the preset's, where
     the message does not already say how to set it (nor, with --sample, where the checkpoint gives it)."""
     name = field_named_by(error)
-    if name is None or name in set_fields or name not in FIELD_NAMES or str(error).count(f"--{name}") > 1:
-        return error
-    if args.sample and name in tg.harness("sample").MODEL_FIELDS:
+    if name is None or name in set_fields or name not in FIELD_NAMES or str(error).count(f"--{name}") > 1 \
+            or (args.sample and name in tg.harness("sample").MODEL_FIELDS):
         return error
     return type(error)(f"{error} (the {args.preset} preset's value)")
 
