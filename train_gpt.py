@@ -1926,7 +1926,8 @@ def read_shard_tokens(path, vocab_size=GPT2_VOCAB_SIZE, max_tokens=None):
     return tokens
 
 def load_shard(path, max_tokens=None, pin_memory=False):
-    """A uint16 tensor (pinned: batches go to the GPU without stalling the host)."""
+    """A uint16 tensor. Pinned, a window sliced from it (validation, the 2025 loader) copies to the GPU
+    asynchronously; the packed loader's torch.cat of a step's chunks is pageable, as in the record."""
     tokens = read_shard_tokens(path, GPT2_VOCAB_SIZE, max_tokens)
     out = torch.empty(tokens.size, dtype=torch.uint16, pin_memory=pin_memory)
     out.copy_(torch.from_numpy(tokens))

@@ -115,7 +115,12 @@ def test_smoke_correctness_checks_ran_and_passed(smoke):
     # under AOT autograd; tests/test_model.py::test_fp8_op_bodies_are_captured_once covers that)
     assert correct["values"]["compile_expected_hw"] == "cpu, sdpa, fp8=True (op bodies compiled)"
     assert all(compile_rows[scope, "new_graphs_round2"]["measured"] == 0 for scope in ("model", "blocks"))
-    assert any("FP8 head: skipped: needs CUDA" in n for n in correct["notes"])
+    fp8 = rows(correct, "FP8 head")  # on CPU too, at small shapes: the preset's scales and bf16 weight first
+    assert [(r["scales"], r["weight"], r["tensor"]) for r in fp8[:3]] == [("2026", "bfloat16", t)
+                                                                          for t in ("logits", "grad_x", "grad_w")]
+    assert {(r["scales"], r["weight"]) for r in fp8} == {(k, d) for k in ("2026", "bounded")
+                                                         for d in ("bfloat16", "float32")} and len(fp8) == 12
+    assert all(r["ok"] == "yes" and 0 < r["fp8 err"] <= r["bound"] and r["bf16 err"] < r["fp8 err"] for r in fp8)
 
 
 def test_smoke_kernels_table_covers_every_method_and_backend(smoke):
