@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Train with every GPU this machine has (torchrun, one process per GPU), or as a single CPU
 # process where there is none. Arguments are passed on to train_gpt.py, e.g.
-#   ./run.sh --run_name myidea          ./run.sh --preset cpu --num_iterations 50
+#   ./run.sh --run_name myidea          ./run.sh --run_name myidea --num_iterations 50
+# With --device cpu it runs as on a machine without GPUs (one process unless NPROC says more).
 # The speedrun needs a number of processes that divides 8: with 3, 5, 6 or 7 GPUs the largest
 # such number is used (say so with NPROC=... to choose yourself). On CPU, NPROC=N starts N gloo
 # processes, and each step takes one micro-batch per process (--micro_batches=N unless given by
@@ -19,7 +20,13 @@ trainer="$(CDPATH= cd -- "$(dirname -- "$0")" >/dev/null && pwd)/train_gpt.py"
 PYTHON=${PYTHON:-python3}
 fail() { echo "run.sh: $*" >&2; exit 2; }
 help=0  # --help: this header (its variables), then the trainer's fields, once (not once per process)
-for arg in "$@"; do case $arg in -h|--help) help=1;; esac; done
+on_cpu=0  # --device cpu: the GPUs are not counted, as on a machine without them
+prev=
+for arg in "$@"; do
+    case $arg in -h|--help) help=1;; --device=cpu) on_cpu=1;; esac
+    if [ "$prev" = --device ] && [ "$arg" = cpu ]; then on_cpu=1; fi
+    prev=$arg
+done
 show_help() { sed -n '2,/^set /s/^# \{0,1\}//p' "$0"; echo; exec "$PYTHON" "$trainer" "$@"; }
 for name in NPROC NNODES NODE_RANK MASTER_PORT DIST_TIMEOUT_S; do
     case ${!name:-0} in ''|*[!0-9]*) fail "$name=${!name}: expected a non-negative integer";; esac
@@ -28,7 +35,8 @@ nnodes=${NNODES:-1}
 nproc=${NPROC:-}
 [ "${nproc:-1}" -ge 1 ] && [ "$nnodes" -ge 1 ] || fail "NPROC and NNODES must be at least 1"
 # (Ctrl-C while torch loads: the default action, no traceback)
-gpus=$("$PYTHON" -c "import signal; signal.signal(signal.SIGINT, signal.SIG_DFL)
+gpus=0
+[ "$on_cpu" -eq 1 ] || gpus=$("$PYTHON" -c "import signal; signal.signal(signal.SIGINT, signal.SIG_DFL)
 import torch; print(torch.cuda.device_count())")
 if [ "$gpus" -eq 0 ]; then
     nproc=${nproc:-1}

@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 import sys
+import textwrap
 import time
 
 import pytest
@@ -90,3 +91,30 @@ def test_a_resume_over_several_cpu_processes_keeps_the_checkpoints_micro_batches
         proc = subprocess.run([str(ROOT / "run.sh"), *args, "--help"], cwd=tmp_path, env=dict(env, **extra),
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0 and expected in proc.stdout, (args, extra, proc.stderr[-2000:])
+
+
+@pytest.mark.parametrize("device", [["--device", "cpu"], ["--device=cpu"], []])
+def test_run_sh_with_device_cpu_on_a_gpu_machine_runs_as_without_gpus(tmp_path, device):
+    """On a machine with 8 GPUs (an interpreter that says so and records how it was called),
+    --device cpu runs the trainer as one process, as without GPUs (8 processes could not split the
+    cpu preset's one micro-batch); without it, torchrun starts one process per GPU."""
+    calls = tmp_path / "calls"
+    fake = tmp_path / "python"
+    fake.write_text(textwrap.dedent(f"""\
+        #!/usr/bin/env bash
+        case "$2" in *device_count*) echo 8; exit 0;; esac
+        if [ "$1" = -c ]; then shift 2; printf 'torchrun %s\\n' "$*"; else printf '%s\\n' "$*"; fi >> {calls}
+        """))
+    fake.chmod(0o755)
+    env = dict(os.environ, PYTHON=str(fake))
+    env.pop("NPROC", None)
+    proc = subprocess.run(["./run.sh", "--preset", "cpu", *device, "--num_iterations", "5"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    [call] = calls.read_text().splitlines()
+    trainer = str(ROOT / "train_gpt.py")
+    if device:
+        assert call == " ".join([trainer, "--preset", "cpu", *device, "--num_iterations", "5"])
+    else:
+        assert call.startswith("torchrun ") and "--nproc_per_node=8" in call
+        assert call.endswith(" ".join([trainer, "--preset", "cpu", "--num_iterations", "5"]))
