@@ -15,6 +15,7 @@ import ctypes
 import dataclasses
 import datetime
 import functools
+import gc
 import glob
 import importlib
 import math
@@ -2533,6 +2534,7 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
             if checkpoints is not None and checkpoints.resuming:
                 step, training_time_ms, resumed_loader, result.resumed_val_losses = checkpoints.restore(model, optimizer)
             follow_windows(model.rotary, step, args)  # after warmup's window changes; a resumed run's
+            gc.collect()  # as the record, before its clock: warmup's garbage is not collected in timed steps
             synchronize(hw)
             t0 = time.perf_counter()
             stop.phase = "loop"  # from here on a signal ends the run at the next check, on every rank

@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -584,6 +585,17 @@ def test_bad_token_in_a_late_shard_stops_before_training(make_shards):
                         on_step=lambda *a: steps.append(a))
     assert str(err.value) == f"{last}: token 60000 at index 4321 is >= vocab size 50257"
     assert steps == []
+
+
+def test_garbage_is_collected_once_after_warmup_before_the_first_timed_step(make_shards, monkeypatch):
+    """As the record (gc.collect() after its warmup, before its clock): once, after the model is
+    reset and before step 0's validation, the first line the clock runs for."""
+    lines = []
+    monkeypatch.setattr(train_gpt, "gc", types.SimpleNamespace(collect=lambda: lines.append("<gc>")))
+    in_process(make_shards(), num_iterations=2, warmup_steps=1, log=lambda line, **_: lines.append(line))
+    assert lines.count("<gc>") == 1
+    first_step = next(i for i, line in enumerate(lines) if line.startswith("step:"))
+    assert lines.index("Resetting Model") < lines.index("<gc>") < first_step
 
 
 def test_clock_stops_during_validation(make_shards, monkeypatch):
