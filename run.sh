@@ -2,7 +2,7 @@
 # Train with every GPU this machine has (torchrun, one process per GPU), or as a single CPU
 # process where there is none. Arguments are passed on to train_gpt.py, e.g.
 #   ./run.sh --run_name myidea          ./run.sh --run_name myidea --num_iterations 50
-# With --device cpu it runs as on a machine without GPUs (one process unless NPROC says more).
+# With --device cpu (or DEVICE=cpu) it runs as without GPUs (one process unless NPROC says more).
 # The speedrun needs a number of processes that divides 8: with 3, 5, 6 or 7 GPUs the largest
 # such number is used (say so with NPROC=... to choose yourself). On CPU, NPROC=N starts N gloo
 # processes, and each step takes one micro-batch per process (--micro_batches=N unless given by
@@ -20,13 +20,14 @@ trainer="$(CDPATH= cd -- "$(dirname -- "$0")" >/dev/null && pwd)/train_gpt.py"
 PYTHON=${PYTHON:-python3}
 fail() { echo "run.sh: $*" >&2; exit 2; }
 help=0  # --help: this header (its variables), then the trainer's fields, once (not once per process)
-on_cpu=0  # --device cpu: the GPUs are not counted, as on a machine without them
+device=${DEVICE:-}  # the trainer's device (the last --device, else DEVICE): with cpu, GPUs are not counted
 prev=
 for arg in "$@"; do
-    case $arg in -h|--help) help=1;; --device=cpu) on_cpu=1;; esac
-    if [ "$prev" = --device ] && [ "$arg" = cpu ]; then on_cpu=1; fi
+    case $arg in -h|--help) help=1;; --device=*) device=${arg#--device=};; esac
+    if [ "$prev" = --device ]; then device=$arg; fi
     prev=$arg
 done
+on_cpu=$([ "$device" = cpu ] && echo 1 || echo 0)
 show_help() { sed -n '2,/^set /s/^# \{0,1\}//p' "$0"; echo; exec "$PYTHON" "$trainer" "$@"; }
 for name in NPROC NNODES NODE_RANK MASTER_PORT DIST_TIMEOUT_S; do
     case ${!name:-0} in ''|*[!0-9]*) fail "$name=${!name}: expected a non-negative integer";; esac

@@ -93,11 +93,15 @@ def test_a_resume_over_several_cpu_processes_keeps_the_checkpoints_micro_batches
         assert proc.returncode == 0 and expected in proc.stdout, (args, extra, proc.stderr[-2000:])
 
 
-@pytest.mark.parametrize("device", [["--device", "cpu"], ["--device=cpu"], []])
-def test_run_sh_with_device_cpu_on_a_gpu_machine_runs_as_without_gpus(tmp_path, device):
-    """On a machine with 8 GPUs (an interpreter that says so and records how it was called),
-    --device cpu runs the trainer as one process, as without GPUs (8 processes could not split the
-    cpu preset's one micro-batch); without it, torchrun starts one process per GPU."""
+@pytest.mark.parametrize("device, environment, on_cpu", [
+    (["--device", "cpu"], {}, True), (["--device=cpu"], {}, True), ([], {"DEVICE": "cpu"}, True),
+    (["--device", "cuda", "--device", "cpu"], {}, True), ([], {}, False), (["--device", "cuda"], {}, False),
+    (["--device", "cpu", "--device=auto"], {}, False), (["--device", "cuda"], {"DEVICE": "cpu"}, False)])
+def test_run_sh_with_device_cpu_on_a_gpu_machine_runs_as_without_gpus(tmp_path, device, environment, on_cpu):
+    """On a machine with 8 GPUs (an interpreter that says so and records how it was called), the
+    device the trainer will take (the last --device, else DEVICE) being cpu, run.sh runs it as one
+    process, as without GPUs (8 processes could not split the cpu preset's one micro-batch);
+    otherwise torchrun starts one process per GPU."""
     calls = tmp_path / "calls"
     fake = tmp_path / "python"
     fake.write_text(textwrap.dedent(f"""\
@@ -106,15 +110,17 @@ def test_run_sh_with_device_cpu_on_a_gpu_machine_runs_as_without_gpus(tmp_path, 
         if [ "$1" = -c ]; then shift 2; printf 'torchrun %s\\n' "$*"; else printf '%s\\n' "$*"; fi >> {calls}
         """))
     fake.chmod(0o755)
-    env = dict(os.environ, PYTHON=str(fake))
+    env = dict(os.environ, PYTHON=str(fake), **environment)
     env.pop("NPROC", None)
+    if "DEVICE" not in environment:
+        env.pop("DEVICE", None)
     proc = subprocess.run(["./run.sh", "--preset", "cpu", *device, "--num_iterations", "5"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     [call] = calls.read_text().splitlines()
     trainer = str(ROOT / "train_gpt.py")
-    if device:
-        assert call == " ".join([trainer, "--preset", "cpu", *device, "--num_iterations", "5"])
+    passed = " ".join([trainer, "--preset", "cpu", *device, "--num_iterations", "5"])
+    if on_cpu:
+        assert call == passed
     else:
-        assert call.startswith("torchrun ") and "--nproc_per_node=8" in call
-        assert call.endswith(" ".join([trainer, "--preset", "cpu", "--num_iterations", "5"]))
+        assert call.startswith("torchrun ") and "--nproc_per_node=8" in call and call.endswith(passed)

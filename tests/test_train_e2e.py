@@ -589,13 +589,18 @@ def test_bad_token_in_a_late_shard_stops_before_training(make_shards):
 
 def test_garbage_is_collected_once_after_warmup_before_the_first_timed_step(make_shards, monkeypatch):
     """As the record (gc.collect() after its warmup, before its clock): once, after the model is
-    reset and before step 0's validation, the first line the clock runs for."""
+    reset and before the clock's first reading after it."""
     lines = []
     monkeypatch.setattr(train_gpt, "gc", types.SimpleNamespace(collect=lambda: lines.append("<gc>")))
+    perf_counter = time.perf_counter
+    def clock():
+        lines.append("<clock>")
+        return perf_counter()
+    monkeypatch.setattr(train_gpt.time, "perf_counter", clock)
     in_process(make_shards(), num_iterations=2, warmup_steps=1, log=lambda line, **_: lines.append(line))
     assert lines.count("<gc>") == 1
-    first_step = next(i for i, line in enumerate(lines) if line.startswith("step:"))
-    assert lines.index("Resetting Model") < lines.index("<gc>") < first_step
+    reset = lines.index("Resetting Model")
+    assert lines[reset:].index("<gc>") < lines[reset:].index("<clock>")
 
 
 def test_clock_stops_during_validation(make_shards, monkeypatch):
