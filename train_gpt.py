@@ -912,11 +912,18 @@ class ShardedMuonAdam:
             self.state_small.update({id(s.param): (m.view_as(s.param), v.view_as(s.param))
                                      for s, (m, v) in zip(unit.specs, parts)})
         units += self.adam_shards + self.smalls
-        earliest_use = lambda unit: min(order[id(p)] for p in unit.params)
-        self.units = sorted(units, key=earliest_use, reverse=True)
-        self._armed, self._next_unit, self._units_of = False, 0, {}
         shard_of = {s.spec.name: s for s in self.adam_shards}
         self.embed_shard, self.head_shard = shard_of.get("embed.weight"), shard_of.get("lm_head_w")
+        # While the embedding is the head's weights, the head's gradient is final only when the lookup's
+        # is, as backward ends: then it launches with the embeddings, not first (where every unit behind
+        # it would wait for it).
+        tied_order = dict(order)
+        if self.embed_shard and self.head_shard:
+            tied_order[id(self.head_shard.spec.param)] = order[id(self.embed_shard.spec.param)]
+        self.launch_orders = {tied: sorted(units, key=lambda unit: min(used[id(p)] for p in unit.params), reverse=True)
+                              for tied, used in ((False, order), (True, tied_order))}
+        self.units = self.launch_orders[False]
+        self._armed, self._next_unit, self._units_of = False, 0, {}
         for unit in self.units:
             for p in unit.params:
                 self._units_of.setdefault(id(p), []).append(unit)
@@ -957,6 +964,7 @@ class ShardedMuonAdam:
 
     # -- communication ------------------------------------------------------------------------------
     def arm_for_final_backward(self):  # call before the backward of the last micro-step: its gradients are final
+        self.units = self.launch_orders[self.embed_tied]
         for unit in self.units:
             unit.pending = {id(p) for p in unit.params} if self._active(unit) else set()
         self._armed, self._next_unit = True, 0

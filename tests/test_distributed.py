@@ -80,18 +80,21 @@ def train_worker(rank, world_size, port, argv, out_path, overlap, compiled_adam=
     comm = train_gpt.Collectives(world_size)
     record = dict(rank_spread=[], sent_bytes=[], calls=[], launches=[])
     launch, step = train_gpt.ShardedMuonAdam._launch, train_gpt.ShardedMuonAdam.step
-    in_step = [False]
+    in_step = [False, False]  # in step(); this step launched already
 
     def recording_launch(self, unit):
         # launched from a backward hook or from step(), and how many parameters of other units
-        # still waited for their final gradient at that moment
-        record["launches"].append(("step" if in_step[0] else "hook", sum(len(u.pending) for u in self.units)))
+        # still waited for their final gradient at that moment; a list per optimizer step
+        if not in_step[1]:
+            record["launches"].append([])
+            in_step[1] = True
+        record["launches"][-1].append(("step" if in_step[0] else "hook", sum(len(u.pending) for u in self.units)))
         launch(self, unit)
 
     def recording_step(self):
         in_step[0] = True
         step(self)
-        in_step[0] = False
+        in_step[0] = in_step[1] = False
     # a spawned process: nothing else sees these patches
     train_gpt.ShardedMuonAdam._launch, train_gpt.ShardedMuonAdam.step = recording_launch, recording_step
 
@@ -313,11 +316,15 @@ def test_traffic_equals_the_ring_lower_bound(equivalence_runs, world_size):
 
 def test_reduce_scatters_start_during_backward(equivalence_runs):
     """With overlap, units launch from backward hooks while other gradients are still being
-    computed; without it, everything launches after backward."""
-    with_hooks = equivalence_runs[2]["launches"]
-    assert with_hooks[0][0] == "hook" and with_hooks[0][1] > 0  # the first one long before backward ends
-    assert all(where == "hook" for where, _ in with_hooks)
-    assert all(where == "step" for where, _ in equivalence_runs["2_no_overlap"]["launches"])
+    computed, at each of the four steps (tied or not, Adam's or not): while the embedding is the
+    head's weights, the head's gradient is final only at backward's end, and its unit waits there,
+    not at the front; without overlap, everything launches after backward."""
+    steps = equivalence_runs[2]["launches"]
+    assert len(steps) == 4
+    for launches in steps:
+        assert launches[0][0] == "hook" and launches[0][1] > 0, launches  # the first before backward ends
+        assert all(where == "hook" for where, _ in launches)
+    assert all(where == "step" for launches in equivalence_runs["2_no_overlap"]["launches"] for where, _ in launches)
 
 
 def test_optimizer_state_is_sharded(equivalence_runs):

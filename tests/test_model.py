@@ -504,7 +504,7 @@ def test_fp8_op_bodies_are_captured_once(monkeypatch):
 
 @pytest.mark.parametrize("table", ["2025", "2026"])
 def test_gradient_communication_starts_with_the_head(table):
-    """Units launch in the order backward finishes their gradients: the head first, then the
+    """Units launch in the order backward finishes their gradients: the head first (untied), then the
     blocks from the last to the first, the embeddings last (2026: with the bigram table, and the
     scalars that share betas with block 0's, in one unit)."""
     model, args = tiny_model(**(RECORD_2025 if table == "2025" else {}))
@@ -528,6 +528,15 @@ def test_gradient_communication_starts_with_the_head(table):
         last = [unit for unit, position in zip(launched, positions) if position == -1]
         assert last == launched[-len(last):] and set(embeddings) < set(sum(last, []))
         assert all(len(unit) == 1 for unit in last if set(unit) & set(embeddings))
+    # tied, the head's gradient is final with the lookup's: the head moves from the front to just
+    # behind the embedding, the others keep their order
+    optimizer.embed_tied = True
+    optimizer.arm_for_final_backward()
+    tied = [[names[id(p)] for p in unit.params] for unit in optimizer.units]
+    head = tied.index(["lm_head_w"])
+    assert head == tied.index(["embed.weight"]) + 1
+    assert all(min(first_use(n) for n in unit) == -1 for unit in tied[head + 1:])  # only what the forward uses first
+    assert [u for u in tied if u != ["lm_head_w"]] == launched[1:]
 
 
 def test_fp8_weight_gradient_in_the_records_orientation_is_ours_transposed_in_memory():
