@@ -13,6 +13,7 @@ import torch.nn.functional as F
 import train_gpt
 from harness import config as cfg
 from conftest import TINY
+from test_model import assert_inductor_matches_eager, needs_cxx
 
 BOS = train_gpt.BOS_TOKEN
 
@@ -290,6 +291,25 @@ def test_the_whole_model_compiles_to_one_graph_per_window_with_varlen(twin):
     assert losses[0].item() == pytest.approx(eager.item(), rel=1e-6)
     for (name, _), a, b in zip(model.named_parameters(), grads, eager_grads):
         torch.testing.assert_close(a, b, msg=name)
+
+
+@pytest.mark.slow
+@needs_cxx
+def test_inductor_compiles_the_varlen_model_to_what_eager_computes_and_keeps_its_bound(twin):
+    """Inductor's code for the masks made in the graph (searchsorted, padding) and the twin in the
+    kernel's place: as eager (test_model.py's bound), and the asynchronous assert survives it, so a
+    document past the bound still stops a compiled run."""
+    args = train_gpt.Hyperparameters(**dict(TINY, attn_backend="varlen", train_max_doc_len=64))
+    torch.manual_seed(0)
+    model = train_gpt.GPT(args, dataclasses.replace(train_gpt.Hardware.detect(args), attention="varlen"))
+    chunk = tokens_with(args.train_seq_len + 1, [0, 40, 90])
+    overlong = tokens_with(args.train_seq_len + 1, [0, 100])
+
+    def refuses_a_document_past_the_bound(compiled):
+        with pytest.raises(RuntimeError, match="or one too long"):
+            compiled(overlong[:-1], overlong[1:], 3, 1, torch.tensor([1.0, 0.5, 0.25]))
+    assert_inductor_matches_eager(model, chunk[:-1], chunk[1:], (3, 1), then=refuses_a_document_past_the_bound)
+    assert set(twin) == {(3 * args.attn_block_size, 0), (args.attn_block_size, 0)}
 
 
 def test_the_training_loop_feeds_varlen_int_windows_and_packed_warmup_batches(twin, make_shards):

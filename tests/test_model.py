@@ -376,29 +376,28 @@ def test_whole_model_compiles_to_one_graph_for_training_and_one_for_validation(l
         for name, p in model.named_parameters():
             torch.testing.assert_close(p.grad, eager_grads[name], msg=name)
 
-@pytest.mark.slow
-@pytest.mark.skipif(not shutil.which("g++"), reason="inductor's CPU code needs a C++ compiler")
-def test_inductor_compiles_the_whole_model_to_what_eager_computes():
-    """Inductor's own code (C++ on a CPU, where a GPU's is Triton), not dynamo's capture alone: the record's
-    layout at TINY's size, tied as the first two thirds train, with the multi-token loss, compiles
-    as one graph whose loss and gradients are eager's up to fp32 rounding: each at most twice
-    eager's distance from an fp64 run of the same model (where sums cancel, the embeddings' and
-    some scalars' gradients move by 1e-3 relative in either form)."""
+needs_cxx = pytest.mark.skipif(not shutil.which("g++"), reason="inductor's CPU code needs a C++ compiler")
+
+
+def assert_inductor_matches_eager(model, tokens, targets, windows, then=None):
+    """Inductor's own code (C++ on a CPU, where a GPU's is Triton), not dynamo's capture alone: the
+    model, tied as the first two thirds train, with the multi-token loss, compiles as one graph
+    whose loss and gradients are eager's up to fp32 rounding: each at most twice eager's distance
+    from an fp64 run of the same model (where sums cancel, the embeddings' and some scalars'
+    gradients move by 1e-3 relative in either form). then(model): run while compiled."""
     import copy
     import dataclasses
     import torch._dynamo
     from torch._dynamo.utils import counters
-    model, args = tiny_model()
     with torch.no_grad():  # no zero-initialized weight (W_o, c_proj, gates): every path carries a gradient
         for p in model.parameters():
             p.add_(torch.randn_like(p), alpha=0.02)
     model.embed_tied = True
-    inputs, targets = random_tokens(args.train_seq_len)
     weights = torch.tensor([1.0, 0.5, 0.25])
 
     def loss_and_grads(net, dtype=torch.float32):
         net.zero_grad(set_to_none=True)
-        loss = net(inputs, targets, torch.tensor(2), torch.tensor(1), weights.to(dtype))
+        loss = net(tokens, targets, *windows, weights.to(dtype))
         loss.backward()
         return loss.detach().double(), {name: p.grad.double() for name, p in net.named_parameters() if p.grad is not None}
     reference = copy.deepcopy(model).double()
@@ -411,6 +410,7 @@ def test_inductor_compiles_the_whole_model_to_what_eager_computes():
         model.compile_for_training("model", backend="inductor")
         loss, grads = loss_and_grads(model)
         graphs = counters["stats"]["unique_graphs"]
+        then and then(model)
     finally:
         torch._dynamo.reset()
     assert graphs == 1
@@ -419,6 +419,15 @@ def test_inductor_compiles_the_whole_model_to_what_eager_computes():
     distance = lambda g, name: ((g - ref_grads[name]).norm() / ref_grads[name].norm()).item()  # noqa: E731
     for name, g in grads.items():
         assert distance(g, name) <= 2 * distance(eager_grads[name], name) + 1e-5, name
+
+
+@pytest.mark.slow
+@needs_cxx
+def test_inductor_compiles_the_whole_model_to_what_eager_computes():
+    """The record's layout at TINY's size, the CPU's attention (SDPA); varlen's:
+    tests/test_attention_varlen.py."""
+    model, args = tiny_model()
+    assert_inductor_matches_eager(model, *random_tokens(args.train_seq_len), (torch.tensor(2), torch.tensor(1)))
 
 
 def checked_detect(args, ranks=None):
