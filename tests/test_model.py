@@ -379,10 +379,11 @@ def test_whole_model_compiles_to_one_graph_for_training_and_one_for_validation(l
 needs_cxx = pytest.mark.skipif(not shutil.which("g++"), reason="inductor's CPU code needs a C++ compiler")
 
 
-def assert_inductor_matches_eager(model, tokens, targets, windows, then=None):
+def assert_inductor_matches_eager(model, tokens, targets, windows, scope="model", then=None):
     """Inductor's own code (C++ on a CPU, where a GPU's is Triton), not dynamo's capture alone: the
     model, tied as the first two thirds train, with the multi-token loss, compiles as one graph
-    whose loss and gradients are eager's up to fp32 rounding: each at most twice eager's distance
+    (scope blocks: one a block, and the head's) whose loss and gradients are eager's up to fp32
+    rounding: each at most twice eager's distance
     from an fp64 run of the same model (where sums cancel, the embeddings' and some scalars'
     gradients move by 1e-3 relative in either form). then(model): run while compiled."""
     import copy
@@ -407,13 +408,13 @@ def assert_inductor_matches_eager(model, tokens, targets, windows, then=None):
     torch._dynamo.reset()
     counters.clear()
     try:
-        model.compile_for_training("model", backend="inductor")
+        model.compile_for_training(scope, backend="inductor")
         loss, grads = loss_and_grads(model)
         graphs = counters["stats"]["unique_graphs"]
         then and then(model)
     finally:
         torch._dynamo.reset()
-    assert graphs == 1
+    assert graphs == (1 if scope == "model" else len(model.blocks) + 1)
     assert abs(loss - ref_loss) <= 2 * abs(eager_loss - ref_loss) + 1e-6 * abs(ref_loss)
     assert grads.keys() == eager_grads.keys() == ref_grads.keys() and "lm_head_w" in grads and "embed.weight" not in grads
     distance = lambda g, name: ((g - ref_grads[name]).norm() / ref_grads[name].norm()).item()  # noqa: E731
@@ -423,11 +424,12 @@ def assert_inductor_matches_eager(model, tokens, targets, windows, then=None):
 
 @pytest.mark.slow
 @needs_cxx
-def test_inductor_compiles_the_whole_model_to_what_eager_computes():
-    """The record's layout at TINY's size, the CPU's attention (SDPA); varlen's:
-    tests/test_attention_varlen.py."""
+@pytest.mark.parametrize("scope", ["model", "blocks"])
+def test_inductor_compiles_the_model_to_what_eager_computes(scope):
+    """The record's layout at TINY's size, the CPU's attention (SDPA), at each --compile_scope;
+    varlen's: tests/test_attention_varlen.py."""
     model, args = tiny_model()
-    assert_inductor_matches_eager(model, *random_tokens(args.train_seq_len), (torch.tensor(2), torch.tensor(1)))
+    assert_inductor_matches_eager(model, *random_tokens(args.train_seq_len), (torch.tensor(2), torch.tensor(1)), scope)
 
 
 def checked_detect(args, ranks=None):
