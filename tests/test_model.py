@@ -383,7 +383,7 @@ def assert_inductor_matches_eager(model, tokens, targets, windows, scope="model"
     """Inductor's own code (C++ on a CPU, where a GPU's is Triton), not dynamo's capture alone: the
     model, tied as the first two thirds train, with the multi-token loss, compiles as one graph
     (scope blocks: one a block, and the head's) whose loss and gradients are eager's up to fp32
-    rounding: each at most twice eager's distance
+    rounding, as validation's loss is: each at most twice eager's distance
     from an fp64 run of the same model (where sums cancel, the embeddings' and some scalars'
     gradients move by 1e-3 relative in either form). then(model): run while compiled."""
     import copy
@@ -405,16 +405,27 @@ def assert_inductor_matches_eager(model, tokens, targets, windows, scope="model"
     reference.hw = dataclasses.replace(model.hw, compute_dtype=torch.float64)
     ref_loss, ref_grads = loss_and_grads(reference, torch.float64)
     eager_loss, eager_grads = loss_and_grads(model)
+
+    def validation_loss():  # validation's graph: eval, no gradients, the head in chunks
+        model.eval()
+        with torch.no_grad():
+            loss = model(tokens, targets, *windows)
+        model.train()
+        return loss.item()
+    eager_validation = validation_loss()
     torch._dynamo.reset()
     counters.clear()
     try:
         model.compile_for_training(scope, backend="inductor")
         loss, grads = loss_and_grads(model)
         graphs = counters["stats"]["unique_graphs"]
+        validation = validation_loss()
+        validation_graphs = counters["stats"]["unique_graphs"] - graphs
         then and then(model)
     finally:
         torch._dynamo.reset()
     assert graphs == (1 if scope == "model" else len(model.blocks) + 1)
+    assert validation == pytest.approx(eager_validation, rel=1e-6) and validation_graphs == graphs
     assert abs(loss - ref_loss) <= 2 * abs(eager_loss - ref_loss) + 1e-6 * abs(ref_loss)
     assert grads.keys() == eager_grads.keys() == ref_grads.keys() and "lm_head_w" in grads and "embed.weight" not in grads
     distance = lambda g, name: ((g - ref_grads[name]).norm() / ref_grads[name].norm()).item()  # noqa: E731
