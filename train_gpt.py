@@ -1388,7 +1388,7 @@ def attention_masks(tokens, long_blocks, args, hw, short_blocks=None, kinds=("L"
     no longer than train_max_doc_len in training when packed (the loader cuts them), else T; out of
     training, eval_bounds (validation_document_bounds') where given, else T and training's capacity."""
     if short_blocks is None:
-        short_blocks = max(long_blocks // 2, 1) if isinstance(long_blocks, int) else torch.clamp(long_blocks // 2, min=1)
+        short_blocks = short_window_blocks(long_blocks)
     if hw.attention == "varlen":
         T = tokens.numel()
         longest, capacity = (min(args.train_max_doc_len or T, T), None) if training else eval_bounds or (T, None)
@@ -2237,6 +2237,9 @@ def long_window_blocks_at(step, args):
     tokens = args.window_growth_tokens * (step / args.num_iterations)
     return max(1, int(-(-tokens // args.attn_block_size)))  # float floor division is exact: a true ceiling
 
+def short_window_blocks(long_blocks):  # half the long window, at least a block (the record's ws_long // 2)
+    return max(long_blocks // 2, 1) if isinstance(long_blocks, int) else torch.clamp(long_blocks // 2, min=1)
+
 def warmup_steps_at_transitions(args):  # steps 0-2 and those around each change of window or batch (new shapes)
     shapes = [(long_window_blocks_at(s, args), train_seq_len_at(s, args)) for s in range(args.num_iterations)]
     changes = [s for s in range(1, args.num_iterations) if shapes[s] != shapes[s - 1]]
@@ -2419,7 +2422,7 @@ def train(args, ranks, hw, log, collectives=None, on_step=None, stop=None):
         """Sets the step's model state (YaRN at its window, the embedding tied or split) and returns its
         (long, short) window sizes in blocks: short is half the long."""
         long = long_window_blocks_at(step, args)
-        short = max(long // 2, 1)
+        short = short_window_blocks(long)
         model.rotary.follow(long, args.attn_block_size)  # (YaRN, where the window changes)
         model.embed_tied = optimizer.embed_tied = embed_tied_at(step, args)  # (the step's model, too)
         if final_validation and args.window_validate_final_blocks:

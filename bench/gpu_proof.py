@@ -1239,7 +1239,7 @@ def compile_counts(tg, torch, argv, cuda, backend, fp8_head=None):
         gen = torch.Generator().manual_seed(0)
         for step in (0, args.num_iterations // 2):
             long = tg.long_window_blocks_at(step, args)   # (long, short) and the loss's weights, as train() passes them
-            windows = [b if hw.attention == "varlen" else torch.tensor(b, device=hw.device) for b in (long, max(long // 2, 1))]
+            windows = [b if hw.attention == "varlen" else torch.tensor(b, device=hw.device) for b in (long, tg.short_window_blocks(long))]
             # the weights' count changes by thirds (a graph each, which warmup compiles): round 2 keeps step 0's,
             # so that it tests the window alone
             mtp = torch.tensor(tg.mtp_weights_at(0, args), device=hw.device) if args.mtp else None

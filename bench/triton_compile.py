@@ -285,7 +285,7 @@ def inductor_forward_graphs(tg, torch):
             long = tg.long_window_blocks_at(0, args)
             with fake:
                 tokens = torch.zeros(T + 1, dtype=torch.long, device=cuda)
-                windows = [torch.tensor(b, device=cuda) for b in (long, max(long // 2, 1))]
+                windows = [torch.tensor(b, device=cuda) for b in (long, tg.short_window_blocks(long))]
                 mtp = torch.tensor(tg.mtp_weights_at(0, args), device=cuda) if training else None
                 compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
                 try:

@@ -423,10 +423,13 @@ def test_polar_error_ordering_on_gaussian_matrices():
 
 
 def test_bf16_emulation_tracks_real_bf16():
+    """Entry by entry within 2^-8 (measured 2^-9, entries ~0.08); fp32 without the emulation's
+    roundings is farther (measured 0.0093), so the bound tells the two apart."""
     G = random_input((2, 32, 96), False, seed=7)
     real = ns.orthogonalize(G.bfloat16(), "polar_express").double()
     emulated = ns.orthogonalize_torch(G.bfloat16().float(), "polar_express", round_through=torch.bfloat16).double()
-    assert abs(polar_error(real, G) - polar_error(emulated, G)) < 0.01
+    fp32 = ns.orthogonalize_torch(G.bfloat16().float(), "polar_express").double()
+    assert (real - emulated).abs().max() <= 2 ** -8 < (real - fp32).abs().max()
 
 
 def test_a_cubic_step_in_bf16_is_computed_as_in_fp32():
@@ -436,7 +439,7 @@ def test_a_cubic_step_in_bf16_is_computed_as_in_fp32():
     cubic = [(1.5, -0.5, 0.0)] * 4
     real = ns.orthogonalize_torch(G.bfloat16(), "newton_schulz", cubic).double()
     emulated = ns.orthogonalize_torch(G.bfloat16().float(), "newton_schulz", cubic, round_through=torch.bfloat16)
-    assert (real - emulated.double()).abs().max() < 0.05
+    assert (real - emulated.double()).abs().max() < 1e-3  # (measured 0; fp32 without its roundings 0.0023)
 
 
 # ----------------------------------------------------------------------------- API

@@ -6,6 +6,7 @@ the defaults (the speedrun preset) are those values, as test_the_defaults_are_th
 checks. The 2025-08-23 record's schedules remain options (RECORD_2025_SCHEDULES)."""
 
 import pytest
+import torch
 
 import train_gpt
 
@@ -105,8 +106,9 @@ def test_long_window_is_the_records_at_every_step():
     assert ours == [record_get_ws(s)[1] for s in range(STEPS + 1)]
     changes = [s for s in range(1, STEPS + 1) if ours[s] != ours[s - 1]]
     assert changes == [520, 1040, 1560]  # the record's transition steps (its warmup samples s-1, s, s+1)
-    # the short window is half the long one, as attention_masks makes it (at least one block)
-    assert all(max(long // 2, 1) == record_get_ws(s)[0] for s, long in enumerate(ours))
+    # the short window: half the long one (at least a block), as the loop and attention_masks take it
+    assert [train_gpt.short_window_blocks(long) for long in ours] == [record_get_ws(s)[0] for s in range(STEPS + 1)]
+    assert train_gpt.short_window_blocks(torch.tensor(13)).item() == 6 and train_gpt.short_window_blocks(1) == 1
 
 
 def test_muon_momentum_is_the_records_at_every_step():
