@@ -374,33 +374,53 @@ def test_compiled_orthogonalizer_is_one_graph_per_stack_and_the_eager_update(mon
     assert interpreted.orthogonalize is train_gpt.orthogonalize
 
 
+def ten_steps(make_shards, **options):
+    """10 steps of TINY on the same synthetic shards (seeded): the result, and the optimizer."""
+    train_glob, val_glob, _ = make_shards()
+    args = train_gpt.Hyperparameters(**dict(TINY, train_files=train_glob, val_files=val_glob, num_iterations=10,
+                                            val_every=10, **options))
+    optimizers = []
+    result = train_gpt.train(args, train_gpt.Ranks(), train_gpt.Hardware.detect(args), lambda *a, **k: None,
+                             on_step=lambda step, model, optimizer: optimizers.append(optimizer))
+    return args, result, optimizers[-1]
+
+
 @pytest.mark.parametrize("method", train_gpt.NS_METHODS)
-def test_each_orthogonalizer_trains(make_shards, method):
+def test_each_orthogonalizer_trains(make_shards, monkeypatch, method):
     """10 steps lower the loss by 0.5 (by 0.82 to 0.88 here; with the 2025 options 6 steps did, but
     Adam now steps every other step and Muon's lr is 0.023, not 0.05: 6 steps lower it by 0.3 to
-    0.4). A training step's loss sums the multi-token losses, by weights that fall over the steps:
-    compared per unit weight."""
-    train_glob, val_glob, _ = make_shards()
-    args = train_gpt.Hyperparameters(**dict(TINY, train_files=train_glob, val_files=val_glob, ns_method=method,
-                                            num_iterations=10, val_every=10))
-    hw = train_gpt.Hardware.detect(args)
-    result = train_gpt.train(args, train_gpt.Ranks(), hw, lambda *a, **k: None)
+    0.4), every Muon update by the method asked for. A training step's loss sums the multi-token
+    losses, by weights that fall over the steps: compared per unit weight."""
+    methods, orthogonalize = [], train_gpt.orthogonalize
+
+    def recording(G, method, *a, **k):
+        methods.append(method)
+        return orthogonalize(G, method, *a, **k)
+    monkeypatch.setattr(train_gpt, "orthogonalize", recording)
+    args, result, _ = ten_steps(make_shards, ns_method=method)
     first, last = (result.train_losses[s] / sum(train_gpt.mtp_weights_at(s, args)) for s in (0, -1))
     assert len(result.train_losses) == 10 and last < first - 0.5
     assert result.val_losses[-1][1] < result.val_losses[0][1] - 0.5
+    assert methods and set(methods) == {method}
+
+
+_DEFAULT_LOSSES = []  # the defaults' train losses on the same shards, once per worker
 
 
 @pytest.mark.parametrize("options", [dict(normuon=False), dict(weight_decay=0.1, cautious_wd=False, muon_decay="lr"),
                                      dict(matrix_optimizer="adam", matrix_lr_mult=0.25)])
 def test_muon_options_train(make_shards, options):
     """Off the defaults: Muon without NorMuon, with plain decoupled decay, and the matrices on Adam
-    (by 0.68 here); 10 steps, as above."""
-    train_glob, val_glob, _ = make_shards()
-    args = train_gpt.Hyperparameters(**dict(TINY, train_files=train_glob, val_files=val_glob, num_iterations=10,
-                                            val_every=10, **options))
-    hw = train_gpt.Hardware.detect(args)
-    result = train_gpt.train(args, train_gpt.Ranks(), hw, lambda *a, **k: None)
+    (by 0.68 here); 10 steps, as above, each a run other than the defaults'."""
+    if not _DEFAULT_LOSSES:
+        _DEFAULT_LOSSES.extend(ten_steps(make_shards)[1].train_losses)
+    _, result, optimizer = ten_steps(make_shards, **options)
     assert result.val_losses[-1][1] < result.val_losses[0][1] - 0.5
+    assert result.train_losses[0] == _DEFAULT_LOSSES[0] and result.train_losses[1:] != _DEFAULT_LOSSES[1:]
+    if "normuon" in options:
+        assert optimizer.muon_groups and all(g["second_moment"] is None for g in optimizer.muon_groups)
+    if "matrix_optimizer" in options:
+        assert not optimizer.muon_groups
 
 
 @pytest.mark.skipif(train_gpt.triton is None, reason="triton is not installed")
