@@ -915,11 +915,10 @@ class ShardedMuonAdam:
         shard_of = {s.spec.name: s for s in self.adam_shards}
         self.embed_shard, self.head_shard = shard_of.get("embed.weight"), shard_of.get("lm_head_w")
         # While the embedding is the head's weights, the head's gradient is final only when the lookup's
-        # is, as backward ends: then it launches with the embeddings, not first (where every unit behind
-        # it would wait for it).
+        # is, as backward ends: then it launches last, not first (where every unit behind it would wait).
         tied_order = dict(order)
         if self.embed_shard and self.head_shard:
-            tied_order[id(self.head_shard.spec.param)] = order[id(self.embed_shard.spec.param)]
+            tied_order[id(self.head_shard.spec.param)] = -1
         self.launch_orders = {tied: sorted(units, key=lambda unit: min(used[id(p)] for p in unit.params), reverse=True)
                               for tied, used in ((False, order), (True, tied_order))}
         self.units = self.launch_orders[False]
