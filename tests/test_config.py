@@ -1,6 +1,7 @@
 """Configuration: presets, overrides from the command line and the environment, and rejection of
 bad values with one line naming the field, before any process group, file or data is touched."""
 
+import dataclasses
 import itertools
 import os
 import subprocess
@@ -79,9 +80,11 @@ def test_a_glob_the_shell_expanded_is_named_as_such():
 
 
 def test_cpu_preset_changes_only_its_own_fields():
-    cpu = parse(["--preset", "cpu"])
-    assert cpu.num_layers == train_gpt.PRESETS["cpu"]["num_layers"]
-    assert cpu.muon_lr == train_gpt.Hyperparameters.muon_lr  # not in the preset: the speedrun value
+    cpu, defaults, preset = parse(["--preset", "cpu"]), train_gpt.Hyperparameters(), train_gpt.PRESETS["cpu"]
+    for field in dataclasses.fields(train_gpt.Hyperparameters):  # the rest keep the speedrun's values
+        expected = "cpu" if field.name == "preset" else preset.get(field.name, getattr(defaults, field.name))
+        assert getattr(cpu, field.name) == expected, field.name
+    assert cpu.muon_lr == defaults.muon_lr and cpu.num_layers == preset["num_layers"] != defaults.num_layers
 
 
 def test_command_line_and_environment_overrides():
@@ -115,20 +118,20 @@ def test_a_bad_boolean_is_refused_naming_every_accepted_spelling():
 
 
 BAD = [
-    (["--bogus", "1"], {}, 1, "--bogus"),
+    (["--bogus", "1"], {}, 1, "unknown option --bogus"),
     (["--num_layer", "3"], {}, 1, "did you mean --num_layers"),
-    (["--num_iterations", "ten"], {}, 1, "--num_iterations"),
-    (["--compile", "maybe"], {}, 1, "--compile"),
+    (["--num_iterations", "ten"], {}, 1, "--num_iterations='ten': expected int"),
+    (["--compile", "maybe"], {}, 1, "--compile='maybe': expected a boolean"),
     ([], {"MUON_LR": "fast"}, 1, "MUON_LR='fast': expected float"),
-    (["--train_seq_len", "1000"], {}, 1, "attn_block_size"),
+    (["--train_seq_len", "1000"], {}, 1, "--train_seq_len=1000: must be a multiple of attn_block_size=64"),
     (["--preset", "speedrun"], {}, 3, "world size 3 must divide"),
-    (["--ns_method", "svd"], {}, 1, "--ns_method"),
-    (["--run_name", "../escape"], {}, 1, "--run_name"),
-    (["--window_pattern", "LLL"], {}, 1, "--window_pattern"),
+    (["--ns_method", "svd"], {}, 1, "--ns_method='svd': expected one of newton_schulz, polar_express, aol"),
+    (["--run_name", "../escape"], {}, 1, "--run_name='../escape': use letters, digits"),
+    (["--window_pattern", "LLL"], {}, 1, "--window_pattern='LLL': needs one letter L or S per layer (4)"),
     (["--num_layers", "1", "--window_pattern", "L", "--num_value_embeds", "0"], {}, 1, "--num_layers=1: must be at least 2"),
-    (["--num_heads", "3"], {}, 1, "num_heads x head_dim"),
-    (["--cooldown_frac", "1.5"], {}, 1, "--cooldown_frac"),
-    (["--preset", "gpu"], {}, 1, "--preset"),
+    (["--num_heads", "3"], {}, 1, "--head_dim=64: num_heads x head_dim must equal model_dim=128"),
+    (["--cooldown_frac", "1.5"], {}, 1, "--cooldown_frac=1.5: must lie in [0, 1]"),
+    (["--preset", "gpu"], {}, 1, "--preset='gpu': expected one of speedrun, cpu"),
     (["--num_iterations"], {}, 1, "missing value"),
     (["--seed", "--normuon"], {}, 1, "--seed: missing value"),  # not --seed=--normuon
     (["positional"], {}, 1, "unexpected argument"),
@@ -137,7 +140,7 @@ BAD = [
     (["--attention_free_layers", "2"], {}, 1, "blocks [2] take value embeddings"),  # the cpu preset's layout 1.01
     (["--attention_free_layers", "0,2", "--num_value_embeds", "1", "--value_embed_layers", "", "--paired_head_layers", ""],
      {}, 1, "blocks [0] take value embeddings"),  # the layout num_value_embeds makes (2025)
-    (["--rotary_base", "0"], {}, 1, "--rotary_base"),
+    (["--rotary_base", "0"], {}, 1, "--rotary_base=0.0: must be positive"),
     (["--key_offset", "--yarn", "false", "--paired_head_layers", ""], {}, 1, "--key_offset=True: needs --yarn"),
     (["--value_embed_layers", "012"], {}, 1, "--value_embed_layers='012': needs one character per layer (4)"),
     (["--value_embed_layers", "0..3"], {}, 1, "an index below num_value_embeds=2"),
@@ -173,8 +176,8 @@ BAD = [
     # in parse_config, which bench/ab.py and gpu_proof.py ask before their first run
     (["--temperature", "0.5"], {}, 1, "--temperature: only --sample reads it"),
     (["--ns_coeffs", "3,-4.7"], {}, 1, "--ns_coeffs='3,-4.7': expected finite a,b,c triples"),
-    (["--ns_coeffs", "3,-4,2;x,1,1"], {}, 1, "--ns_coeffs"),
-    (["--ns_coeffs", "3,-4,inf"], {}, 1, "--ns_coeffs"),
+    (["--ns_coeffs", "3,-4,2;x,1,1"], {}, 1, "--ns_coeffs='3,-4,2;x,1,1': expected finite a,b,c triples separated by ';'"),
+    (["--ns_coeffs", "3,-4,inf"], {}, 1, "--ns_coeffs='3,-4,inf': expected finite a,b,c triples separated by ';'"),
     (["--seed", str(-2 ** 63 - 1)], {}, 1, f"--seed={-2 ** 63 - 1}: must lie in [-2^63, 2^64 - 1)"),
     # seed + 1 overflowed in warmup
     ([], {"SEED": str(2 ** 64 - 1)}, 1, f"--seed={2 ** 64 - 1}: must lie in [-2^63, 2^64 - 1)"),
@@ -199,7 +202,7 @@ def test_flex_attention_block_size_is_checked_where_cuda_trains():
                               "(a new run: --attn_block_size 128; any run, a resumed one too: --device cpu)")
     assert parse(["--preset", "cpu", "--attn_block_size", "128"], cuda=True).attn_block_size == 128
     assert parse(["--preset", "cpu", "--device", "cpu"], cuda=True).attn_block_size == 64
-    assert parse(["--preset", "cpu", "--sample", "run.pt"], cuda=True).sample == "run.pt"
+    assert parse(["--preset", "cpu", "--sample", "run.pt"], cuda=True).attn_block_size == 64
     assert parse(["--preset", "speedrun", "--attn_block_size", "256"], cuda=True).attn_block_size == 256
 
 
@@ -368,8 +371,8 @@ def test_unwritable_log_dir_is_rejected_before_any_work(tmp_path, capsys):
 
 
 def test_ns_coeffs_parse():
-    assert parse(["--ns_coeffs", " 3.4445,-4.775,2.0315 ; 1,0,0; "]).ns_coeffs.startswith(" 3.4445")
-    assert train_gpt.parse_ns_coeffs("3.4445,-4.775,2.0315 ; 1,0,0;") == [(3.4445, -4.775, 2.0315), (1.0, 0.0, 0.0)]
+    option = parse(["--ns_coeffs", " 3.4445,-4.775,2.0315 ; 1,0,0; "]).ns_coeffs
+    assert train_gpt.parse_ns_coeffs(option) == [(3.4445, -4.775, 2.0315), (1.0, 0.0, 0.0)]
     assert train_gpt.parse_ns_coeffs("") is None
 
 
