@@ -2,7 +2,8 @@
 2026-01-19 record's flash_attn_varlen_func call (P 960-965, 1014-1022). The kernel is CUDA-only; on
 CPU a twin written from FlashAttention's rule (below) stands in for it, so that what the trainer
 hands the kernel is checked here: the padded document starts, the length bound, the token window,
-the paired heads' doubling, through attend, the model and the training loop."""
+the paired heads' doubling, through attend, the model and the training loop. The kernel itself
+against the twin: bench/gpu_proof.py's correct phase, in bf16 on a GPU (the suite hides GPUs)."""
 
 import dataclasses
 
@@ -207,26 +208,6 @@ def test_attend_with_a_varlen_mask_is_the_dense_twin(twin, paired):
     dense = train_gpt.dense_attention_mask(tokens, 3, 8, token_window=True, paired=paired)
     torch.testing.assert_close(out, train_gpt.attend(q, k, v, dense, scale=0.12), rtol=1e-6, atol=1e-6)
     assert out.shape == q.shape and twin == [(24, 0)]
-
-
-def test_varlen_attn_itself_is_the_twin_where_it_runs():
-    """The kernel, where this torch has one for the device (CUDA; the suite hides GPUs: the GPU
-    proof's correct phase checks it in bf16)."""
-    from torch.nn.attention.varlen import varlen_attn
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    tokens = tokens_with(256, [0, 70, 71, 200]).to(device)
-    mask = train_gpt.varlen_mask(tokens, 1, 64, 256)
-    g = torch.Generator().manual_seed(2)
-    q, k, v = (torch.randn(256, 2, 64, generator=g).to(device, dtype) for _ in range(3))
-    try:
-        out = varlen_attn(q, k, v, mask.starts, mask.starts, mask.longest, mask.longest, scale=0.12,
-                          window_size=(mask.window, 0))
-    except (NotImplementedError, RuntimeError) as e:
-        pytest.skip(f"varlen_attn has no {device} kernel in torch {torch.__version__}: {str(e).splitlines()[0][:80]}")
-    twin_out = varlen_attn_twin(q.float(), k.float(), v.float(), mask.starts, mask.starts, mask.longest, mask.longest,
-                                scale=0.12, window_size=(mask.window, 0))
-    torch.testing.assert_close(out.float(), twin_out, rtol=2e-2, atol=2e-2)
 
 
 def test_the_records_model_gives_the_same_loss_and_gradients_with_varlen(twin):
