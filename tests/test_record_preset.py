@@ -310,17 +310,20 @@ def test_optimizer_state_and_muon_work_per_rank_at_eight_gpus(speedrun, rank):
         **{f"value_embeds.{i}.weight": V // 8 for i in range(3)}}
 
 
-def test_gradients_are_the_records_eight_gpu_gradients_at_any_accumulation():
+@pytest.mark.parametrize("micro_batches, world_size", [(1, 1), (2, 1), (4, 1), (8, 1), (8, 2), (8, 8)])
+def test_gradients_are_the_records_eight_gpu_gradients_at_any_accumulation(micro_batches, world_size):
     """The record backpropagates each micro-batch's summed loss divided by its micro-steps,
     (model(...) / grad_accum_steps).backward() (P 1900), and ranks average (ReduceOp.AVG, P 443, 455,
     462): the gradient is the mean over the 8 micro-batches of their summed losses' gradients, at every
-    world size. Ours is the same: backward sums a rank's micro-batches, the optimizer divides."""
+    world size. Ours is the same: backward sums a rank's micro-batches, the optimizer divides (a
+    rank's mean here; the ranks' average of those is the mean over all)."""
     from conftest import perturbed_tiny_model
-    args, hw, model = perturbed_tiny_model(0.05, micro_batches=2, bf16_embeds=False, bf16_weights=False)
+    args, hw, model = perturbed_tiny_model(0.05, micro_batches=micro_batches, bf16_embeds=False, bf16_weights=False)
     specs = train_gpt.param_specs(model, args)
-    optimizer = train_gpt.ShardedMuonAdam(specs, args, train_gpt.Ranks(), hw)
+    optimizer = train_gpt.ShardedMuonAdam(specs, args, train_gpt.Ranks(0, 0, world_size, world_size), hw)
     g = torch.Generator().manual_seed(1)
-    batches = [torch.randint(0, train_gpt.BOS_TOKEN, (args.train_seq_len + 1,), generator=g) for _ in range(2)]
+    steps = micro_batches // world_size  # this rank's micro-steps
+    batches = [torch.randint(0, train_gpt.BOS_TOKEN, (args.train_seq_len + 1,), generator=g) for _ in range(steps)]
     window = torch.tensor(2)
     per_batch = []
     for tokens in batches:
@@ -331,4 +334,4 @@ def test_gradients_are_the_records_eight_gpu_gradients_at_any_accumulation():
     for tokens in batches:
         model(tokens[:-1], tokens[1:], window).backward()
     torch.testing.assert_close(optimizer._unaccumulate(model.lm_head_w.grad), torch.stack(per_batch).mean(0))
-    assert math.isclose(optimizer.grad_scale, 1 / 2)
+    assert math.isclose(optimizer.grad_scale, 1 / steps)
