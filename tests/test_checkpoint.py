@@ -901,8 +901,13 @@ def test_sampling_from_an_untrained_model_runs():
     model = train_gpt.GPT(args, hw).eval()
     new = sampling.generate(model, args, [464, 2068], 20, seed=0)
     assert len(new) == 20 and all(0 <= t < train_gpt.BOS_TOKEN for t in new)
-    # a prompt longer than the model's context (train_seq_len 128) is cut to its last tokens
-    assert len(sampling.generate(model, args, list(range(1, 300)), 3, seed=0)) == 3
+    # a prompt longer than the model's context (the rotary table's positions) is cut to its last tokens
+    seen, trunk = [], model.trunk
+    model.trunk = lambda tokens, *a: seen.append(tokens.tolist()) or trunk(tokens, *a)
+    prompt, context = list(range(1, 300)), model.rotary.max_seq_len
+    assert context < len(prompt) and len(sampling.generate(model, args, prompt, 3, seed=0)) == 3
+    assert seen[0] == prompt[-context:] and all(len(tokens) == context for tokens in seen)
+    assert seen[1][:-1] == prompt[-context + 1:]  # then the window slides over the new token
 
 
 def greedy_tokens(model, args, prompt, count, step):
