@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -325,28 +326,56 @@ def test_non_text_document_is_an_error(tmp_path, gpt2, workers):
 def test_bad_arguments_fail_before_work(tmp_path, gpt2):
     for kwargs in (dict(shard_size=0), dict(workers=0), dict(prefix="a/b"), dict(max_shards=0)):
         args = dict(documents=DOCS, out_dir=tmp_path / "never", prefix="toy", encoding=gpt2) | kwargs
-        with pytest.raises(ValueError):
+        (name, value), = kwargs.items()
+        with pytest.raises(ValueError, match=f"^{name} must be .*, got {value!r}$"):
             fineweb.tokenize_to_shards(**args)
     assert not (tmp_path / "never").exists()
 
 
-def test_raw_fineweb_reader_streams_parquet_and_deletes_it(tmp_path, gpt2, monkeypatch):
-    """The raw-FineWeb path with the Hub replaced by local parquet files (pyarrow needed)."""
-    pyarrow = pytest.importorskip("pyarrow")
-    parquet = pytest.importorskip("pyarrow.parquet")
+class FakeParquet:
+    """pyarrow.parquet's calls the reader makes, over files holding a JSON list of rows: where
+    pyarrow is absent (it is not in requirements.txt), the reader's own logic still runs."""
+
+    @staticmethod
+    def write_table(rows, path, row_group_size):
+        Path(path).write_text(json.dumps(rows))
+
+    class ParquetFile:
+        def __init__(self, path):
+            self.rows = json.loads(Path(path).read_text())
+
+        def iter_batches(self, batch_size, columns):
+            assert columns == ["text"]
+            for i in range(0, len(self.rows), batch_size):
+                texts = [row["text"] for row in self.rows[i:i + batch_size]]
+                yield SimpleNamespace(column=lambda k, texts=texts: SimpleNamespace(to_pylist=lambda: texts))
+
+
+@pytest.mark.parametrize("reader", ["fake", "pyarrow"])
+def test_raw_fineweb_reader_streams_parquet_and_deletes_it(tmp_path, gpt2, monkeypatch, reader):
+    """The raw-FineWeb path with the Hub replaced by local parquet files (real ones where pyarrow is
+    installed; else FakeParquet's)."""
     huggingface_hub = pytest.importorskip("huggingface_hub")
+    if reader == "pyarrow":
+        pyarrow, parquet = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+        table = lambda docs: pyarrow.table({"text": docs, "id": [str(i) for i in range(len(docs))]})  # noqa: E731
+    else:
+        parquet, table = FakeParquet, lambda docs: [{"text": d, "id": str(i)} for i, d in enumerate(docs)]  # noqa: E731
+        monkeypatch.setattr(fineweb, "_import_raw_access", lambda: (huggingface_hub, FakeParquet))
     hub = tmp_path / "hub"
     files = {"sample/10BT/000_00000.parquet": DOCS[:3], "sample/10BT/001_00000.parquet": DOCS[3:]}
     for repo_path, docs in files.items():
         (hub / repo_path).parent.mkdir(parents=True, exist_ok=True)
-        table = pyarrow.table({"text": docs, "id": [str(i) for i in range(len(docs))]})
-        parquet.write_table(table, hub / repo_path, row_group_size=2)
+        parquet.write_table(table(docs), hub / repo_path, row_group_size=2)
+    downloaded = []
 
     def fake_download(repo_id, filename, repo_type, local_dir):
         assert (repo_id, repo_type) == (fineweb.FINEWEB_REPO, "dataset")
+        assert not any(p.is_file() for p in Path(local_dir).rglob("*.parquet"))  # one raw file on disk at a time
         target = Path(local_dir) / filename
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes((hub / filename).read_bytes())
+        downloaded.append(filename)
         return str(target)
 
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_download)
@@ -354,6 +383,7 @@ def test_raw_fineweb_reader_streams_parquet_and_deletes_it(tmp_path, gpt2, monke
     documents = fineweb.iter_fineweb_documents(sorted(files), raw, log=lambda _: None)
     written = fineweb.tokenize_to_shards(documents, tmp_path / "out", "fineweb", 20, 2, encoding=gpt2,
                                          log=lambda _: None)
+    assert downloaded == sorted(files)
     assert read_all(written) == expected_stream(gpt2, DOCS)
     assert not any(p.is_file() for p in raw.rglob("*.parquet"))  # each raw file deleted once read
 

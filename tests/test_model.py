@@ -270,10 +270,16 @@ def test_fp8_static_scales_cannot_overflow():
     x_scale, w_scale, grad_scale = train_gpt.fp8_head_scales(768)
     assert 768 ** 0.5 / x_scale == pytest.approx(448)
     assert 0.875 / w_scale == 448 and 1 / grad_scale == pytest.approx(448)
-    worst = train_gpt.rms_norm(torch.nn.functional.one_hot(torch.tensor([3]), 768).float()).bfloat16()
-    w = torch.full((4, 768), 0.875)
+    worst = train_gpt.rms_norm(torch.nn.functional.one_hot(torch.tensor([3]), 768).float()).bfloat16().requires_grad_()
+    w = torch.full((4, 768), 0.875, requires_grad=True)
+    assert (worst / x_scale).abs().max() <= 448 and (w / w_scale).abs().max() <= 448
+    # CPU's cast to e4m3 saturates at 448 rather than overflowing, so finite outputs alone prove nothing:
+    # the product itself (24.28 in full precision; with a scale 4x too small, 6.06) and the gradients
     out = train_gpt.fp8_matmul(worst, w, x_scale, w_scale, grad_scale)
-    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), worst.float().detach() @ w.detach().T, rtol=1 / 32, atol=0)
+    out.backward(torch.ones_like(out))  # the largest gradient the summed, capped loss gives
+    torch.testing.assert_close(worst.grad.float(), torch.ones(1, 4) @ w.detach(), rtol=1 / 8, atol=0)
+    torch.testing.assert_close(w.grad.float(), torch.ones(4, 1) @ worst.float().detach(), rtol=1 / 8, atol=0)
 
 
 def test_fp8_head_is_close_to_full_precision_and_only_used_in_training():
