@@ -352,4 +352,6 @@ def test_the_hardware_runs_varlen_on_cuda_only(monkeypatch):
     assert train_gpt.Hardware.detect(args).attention == "varlen"
     assert train_gpt.Hardware.detect(train_gpt.Hyperparameters()).attention == "flex"  # the default
     monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")  # FlexAttention's objection (unfused), not varlen's
-    cfg.check_machine(args, train_gpt.Ranks())
+    with pytest.raises(train_gpt.ConfigError, match="^TORCHDYNAMO_DISABLE=1 in the environment: on CUDA FlexAttention"):
+        cfg.check_machine(train_gpt.Hyperparameters(), train_gpt.Ranks())
+    cfg.check_machine(args, train_gpt.Ranks())  # varlen: no objection

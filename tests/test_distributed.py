@@ -457,7 +457,7 @@ def test_bf16_traffic_sends_what_the_forward_reads_and_checkpoints_keep_the_mast
             after = other["after_save"][name]
             assert torch.equal(after if index is None else after[index], mine)  # ... and every rank has it
     assert ranks[0]["losses"][0] == single["losses"][0]  # the first step's forward reads the same weights
-    assert ranks[0]["losses"] == pytest.approx(single["losses"], rel=2e-3)
+    assert ranks[0]["losses"] == pytest.approx(single["losses"], rel=2e-4)
 
 
 def main_worker(rank, world_size, port, argv_per_rank, out_dir):

@@ -220,13 +220,17 @@ def test_ranks_split_the_same_windows_without_overlap(make_shards, world_size):
     per_rank = [[x for x, _ in drain(train_gpt.TrainBatches(files, seq_len, r, world_size,
                                                              windows_per_step=per_step))]
                 for r in range(world_size)]
+    reference = reference_windows(trains, seq_len, per_step)
+    # the one-rank stream is the record's, whole steps of it; each rank takes its share of each step
+    assert [x.tolist() for x in single] == [window[:-1].tolist() for _, _, window in reference]
+    assert len(single) % per_step == 0 and all(len(mine) == len(single) // world_size for mine in per_rank)
     steps = len(single) // world_size
     assert steps >= 10
     for step in range(steps):
         for r in range(world_size):
             assert torch.equal(per_rank[r][step], single[step * world_size + r])
     # windows are disjoint stretches of the stream: no two ranks read the same tokens
-    starts = [(shard, start) for shard, start, _ in reference_windows(trains, seq_len, per_step)]
+    starts = [(shard, start) for shard, start, _ in reference]
     assert all(sb != sa or b - a >= seq_len for (sa, a), (sb, b) in zip(starts, starts[1:]))
 
 

@@ -508,6 +508,7 @@ def test_hardware_branches(monkeypatch, cuda, capability, fp8):
     assert (hw.device.type, hw.attention, hw.dist_backend) == (("cuda", "flex", "nccl") if cuda else ("cpu", "sdpa", "gloo"))
     assert hw.compute_dtype == (torch.bfloat16 if cuda else torch.float32)
     assert hw.ns_backend == ("triton" if cuda and train_gpt.triton is not None else "torch")
+    assert hw.ce_backend == hw.mlp_backend == ("triton" if cuda and train_gpt.triton is not None else "torch")  # auto
     assert train_gpt.Hardware.detect(train_gpt.Hyperparameters(fp8_head=False)).fp8_head is False
     assert train_gpt.Hardware.detect(train_gpt.Hyperparameters(ns_backend="torch")).ns_backend == "torch"
 
