@@ -90,9 +90,9 @@ def test_write_names_the_first_token_out_of_the_vocabulary_as_the_readers_do(tmp
 
 
 def test_write_refuses_non_integer_and_2d(tmp_path):
-    with pytest.raises(ShardError):
+    with pytest.raises(ShardError, match=r"f\.bin: tokens must be integers, got dtype float64$"):
         write_shard(tmp_path / "f.bin", [1.5, 2.0])
-    with pytest.raises(ShardError):
+    with pytest.raises(ShardError, match=r"m\.bin: tokens must be 1-D, got shape \(2, 2\)$"):
         write_shard(tmp_path / "m.bin", [[1, 2], [3, 4]])
     assert list(tmp_path.iterdir()) == []
 
@@ -133,7 +133,7 @@ def test_out_of_range_token_is_reported(tmp_path):
         read_shard(path)
     assert_one_line_naming(info.value, path, "token 50257 at index 2", "vocab size 50257")
     assert read_shard(path, vocab_size=65536).tolist() == tokens.tolist()
-    with pytest.raises(ShardError):
+    with pytest.raises(ShardError, match="is >= vocab size 9"):
         read_shard(path, vocab_size=9)
 
 

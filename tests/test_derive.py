@@ -95,9 +95,9 @@ def test_cap_final_ends_at_or_below_one(lower, steps):
 
 
 def test_rejects_a_bad_interval():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"need 0 < lower <= upper, got \[0.0, "):
         derive_schedule(0.0, 3)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"need 0 < lower <= upper, got \[1.5, "):
         derive_schedule(1.5, 3)
 
 
